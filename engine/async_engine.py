@@ -1,0 +1,126 @@
+"""AsyncEngine: the asyncio face of EngineCore, one output queue per request.
+
+The core's step loop runs in its own thread beside the HTTP front's event loop. torch releases the GIL
+inside its kernels, so the front keeps accepting and streaming while a step computes; a process would add
+a copy of every output across a pipe for no gain on one host (see docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.protocol import EngineStats
+from vegaserve.engine.request import EngineDeadError, EngineError, GenerateRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.model_name = core.model_name
+        self.max_model_len = core.max_model_len
+        self.tokenizer = core.tokenizer
+        self.chat_template = core.chat_template
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, show_progress: bool = True) -> AsyncEngine:
+        return cls(EngineCore(config, show_progress))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped; no new requests are served")
+        self.core.check(request)  # raise before the first output: the server answers 4xx, not a broken stream
+        rid = request.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[rid] = (asyncio.get_running_loop(), q)
+        self._post("add", request)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._queues.pop(rid, None)
+            if not finished:
+                self._post("abort", rid)
+
+    async def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- the loop thread --------------------------------------------------------------------------------
+    def _post(self, kind: str, payload: object) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._queues.get(rid)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.core.add_request(payload)  # type: ignore[arg-type]
+                except EngineError as e:
+                    self._deliver(payload.request_id, e)  # type: ignore[union-attr]
+            else:
+                self.core.abort(payload)  # type: ignore[arg-type]
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.core.has_work:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.core.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; every waiter hears of it
+            log.exception("engine loop failed")
+            self._dead = e
+            with self._lock:
+                rids = list(self._queues)
+            for rid in rids:
+                self._deliver(rid, EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))

@@ -1,0 +1,156 @@
+"""The one typed configuration tree. Frozen dataclasses per area, validated at construction.
+
+Sources, highest first: CLI flags, environment (engine/env.py), a YAML file (`--config`). The CLI
+(server/cli.py) merges them into plain dicts and calls `EngineConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LoadMode = Literal["mmap", "read", "dio"]
+SplitMode = Literal["none", "layer", "tensor"]
+SpecType = Literal["none", "ngram", "draft", "draft-mtp"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says which setting and why."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_mode: LoadMode = "mmap"
+    no_repack: bool = False
+    served_model_name: str | None = None  # default: the file's stem
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.load_mode in ("mmap", "read", "dio"), f"load mode must be mmap, read or dio, got {self.load_mode!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    context_size: int = 0  # 0: the model's trained context length
+    kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.context_size >= 0, f"context size must be >= 0, got {self.context_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 1  # llama-server's -np
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"parallel sequences (-np) must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    split_mode: SplitMode = "none"
+    tensor_parallel_group: int = 0  # -tps T; 0: one group of all GPUs
+    n_gpu_layers: int = -1  # -ngl; -1: all
+    custom_allreduce: bool = False  # GGML_ENABLE_CUSTOM_AR
+    allreduce_two_shot: bool | None = None  # GGML_TP_AR_TWOSHOT; None: policy decides
+    sched_n_copies: int | None = None  # GGML_SCHED_N_COPIES
+
+    def __post_init__(self) -> None:
+        _require(self.split_mode in ("none", "layer", "tensor"), f"split mode must be none, layer or tensor, got {self.split_mode!r}")
+        _require(self.tensor_parallel_group >= 0, f"-tps must be >= 0, got {self.tensor_parallel_group}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    spec_type: SpecType = "none"
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
+    mtp_opt: bool = False  # LLAMA_ENABLE_MTP_OPT
+
+    def __post_init__(self) -> None:
+        _require(self.spec_type != "draft" or self.draft_model is not None, "--spec-type draft needs a draft model (-md FILE)")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    token_graph: bool = True  # GGML_META_TOKEN_GRAPH
+    q8_1_cache: bool = True  # GGML_CUDA_Q8_1_CACHE
+    bf16_compute: bool = False  # GGML_CUDA_CUBLAS_COMPUTE_TYPE=bf16
+    shexp_split: bool = True  # LLAMA_SHEXP_SPLIT
+    ple_shard: bool = False  # LLAMA_PLE_SHARD
+    tuning_file: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: str = "auto"  # auto: cuda/hip if present, else cpu
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, tree: dict[str, Any]) -> EngineConfig:
+        """Build from a nested dict ({'model': {...}, 'server': {...}, 'device': ...}); unknown keys are errors."""
+        kwargs: dict[str, Any] = {}
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in tree.items():
+            _require(key in sections, f"unknown configuration section {key!r} (known: {', '.join(sections)})")
+            sub = _SECTION_TYPES.get(key)
+            if sub is None:
+                kwargs[key] = value
+                continue
+            _require(isinstance(value, dict), f"configuration section {key!r} must be a mapping")
+            names = {f.name for f in dataclasses.fields(sub)}
+            unknown = set(value) - names
+            _require(not unknown, f"unknown setting(s) in {key!r}: {', '.join(sorted(unknown))}")
+            kwargs[key] = sub(**value)
+        return cls(**kwargs)
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
+    "kernels": KernelConfig,
+    "server": ServerConfig,
+}
+
+
+def merge_trees(*trees: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge config dicts; later trees win (pass lowest priority first)."""
+    out: dict[str, Any] = {}
+    for tree in trees:
+        for key, value in tree.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge_trees(out[key], value)
+            else:
+                out[key] = value
+    return out

@@ -1,0 +1,148 @@
+"""EngineCore: the step loop. `step()` is schedule -> execute -> update; everything else feeds it.
+
+Not thread safe: one thread (the AsyncEngine's loop thread, or a plain caller) drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vegaserve.engine.chat_template import ChatTemplate
+from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.gguf_file import GGUFFile, default_model_path
+from vegaserve.engine.model_runner import ModelRunner, StepOutput
+from vegaserve.engine.models.registry import load_model
+from vegaserve.engine.output_processor import OutputProcessor
+from vegaserve.engine.protocol import EngineStats
+from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
+from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler
+from vegaserve.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class _Counters:
+    preemptions: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        path = config.model.path or default_model_path()
+        t0 = time.monotonic()
+        self.gguf = GGUFFile(path, config.model.load_mode)
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        template = self.gguf.metadata.get("tokenizer.chat_template")
+        self.chat_template = (
+            ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else ChatTemplate.default()
+        )
+        trained = int(self.gguf.metadata.get(f"{self.gguf.architecture}.context_length", 0) or 0)
+        self.max_model_len = config.cache.context_size or trained or 4096
+        self.device = pick_device(config.device)
+        loaded = load_model(self.gguf, self.device, self.max_model_len, show_progress)
+        self.arch = loaded.arch
+        n_slots = config.scheduler.max_num_seqs
+        self.runner = ModelRunner(loaded, n_slots, self.max_model_len, self.device)
+        self.scheduler = Scheduler(n_slots, max(config.scheduler.max_num_batched_tokens, 16))
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.counters = _Counters()
+        self.model_name = config.model.served_model_name or self.gguf.path.name.removesuffix(".gguf")
+        log.info(
+            "loaded %s (%s, %d layers) on %s in %.1f s; context %d, %d slot(s), KV cache %.0f MiB",
+            self.gguf.path.name, self.arch.architecture, self.arch.n_layers, self.device,
+            time.monotonic() - t0, self.max_model_len, n_slots, self.runner.cache.nbytes / 2**20,
+        )
+
+    # -- requests in ------------------------------------------------------------------------------------
+    def check(self, req: GenerateRequest) -> int:
+        """Validate a request; returns how many tokens it may generate."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens")
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens, but the context holds {self.max_model_len}: shorten the prompt"
+            )
+        room = self.max_model_len - n
+        return min(req.params.max_tokens or room, room)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request id {req.request_id} is already in use")
+        r = Request.from_generate(req, self.check(req))
+        self.outputs.attach(r)
+        self.requests[r.request_id] = r
+        self.scheduler.add(r)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        r = self.requests.pop(request_id, None)
+        if r is None:
+            return None
+        self.scheduler.finish(r)
+        return self.outputs.aborted(r)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        result = self.runner.execute(batch)
+        return self.update(batch, result)
+
+    def update(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for s, res in zip(batch.seqs, result.results, strict=True):
+            r = s.request
+            r.num_computed += len(s.tokens)
+            if res.prompt_logprobs is not None:
+                r.state.prompt_logprobs.extend(res.prompt_logprobs)
+            if res.token_id is None:
+                continue
+            r.output_ids.append(res.token_id)
+            out = self.outputs.on_token(r, res.token_id, res.logprob)
+            if out.finished:
+                self.scheduler.finish(r)
+                self.requests.pop(r.request_id, None)
+            outs.append(out)
+        return outs
+
+    def stats(self) -> EngineStats:
+        used = len(self.scheduler.running)
+        return EngineStats(
+            num_requests_running=used,
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=sum(r.num_computed for r in self.scheduler.running)
+            / (self.runner.cache.n_slots * self.runner.cache.max_len),
+            num_preemptions=self.counters.preemptions,
+        )
+
+    def generate_sync(self, req: GenerateRequest) -> list[RequestOutput]:
+        """Run one request to completion (perplexity, tests, benchmarks)."""
+        self.add_request(req)
+        outs: list[RequestOutput] = []
+        while req.request_id in self.requests:
+            outs.extend(o for o in self.step() if o.request_id == req.request_id)
+        return outs

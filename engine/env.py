@@ -1,0 +1,60 @@
+"""Every environment switch vegaserve reads, in one place, mapped onto the config tree.
+
+These are the llama.cpp fork's switches, kept so that existing launch scripts keep working. ROCm's own
+variables (HSA_*, GPU_MAX_HW_QUEUES, HIP_VISIBLE_DEVICES) are for the runtime and are not read here.
+Nothing else in vegaserve reads os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vegaserve.engine.config import ConfigError
+
+
+def _flag(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no", ""):
+        return False
+    raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def _int(value: str, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+
+
+# name -> (section, key, parser)
+SWITCHES: dict[str, tuple[str, str, Any]] = {
+    "GGML_ENABLE_CUSTOM_AR": ("parallel", "custom_allreduce", _flag),
+    "GGML_TP_AR_TWOSHOT": ("parallel", "allreduce_two_shot", _flag),
+    "GGML_SCHED_N_COPIES": ("parallel", "sched_n_copies", _int),
+    "GGML_META_TOKEN_GRAPH": ("kernels", "token_graph", _flag),
+    "GGML_CUDA_Q8_1_CACHE": ("kernels", "q8_1_cache", _flag),
+    "GGML_CUDA_CUBLAS_COMPUTE_TYPE": ("kernels", "bf16_compute", lambda v, n: v.strip().lower() == "bf16"),
+    "LLAMA_ENABLE_MTP_OPT": ("speculative", "mtp_opt", _flag),
+    "LLAMA_SHEXP_SPLIT": ("kernels", "shexp_split", _flag),
+    "LLAMA_PLE_SHARD": ("kernels", "ple_shard", _flag),
+}
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The environment's part of the config tree, as a nested dict of the switches that are set."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    for name, (section, key, parse) in SWITCHES.items():
+        if name in environ:
+            tree.setdefault(section, {})[key] = parse(environ[name], name)
+    return tree
+
+
+def triton_interpret(environ: Mapping[str, str] | None = None) -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (tests); read here so the rule above holds."""
+    environ = os.environ if environ is None else environ
+    return environ.get("TRITON_INTERPRET", "0") == "1"

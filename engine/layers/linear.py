@@ -1,0 +1,91 @@
+"""Linear layers and their quantization strategies.
+
+A layer never branches on the GGUF type: it holds a `QuantMethod` that turns canonical GGUF bytes into the
+layer's stored form (`create`) and multiplies (`apply`). Matrices that read the same activation (q/k/v,
+gate/up) load as one `QuantLinear` over the concatenated output rows.
+
+On a CPU the method is `ReferenceMethod`: dequantize once at load (the torch references in
+`triton_kernels`) and call torch's matmul; it is the same model code the GPU kernels run under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vegaserve.engine.gguf_file import ModelLoadError, TensorInfo
+from vegaserve.triton_kernels.dequant import UnsupportedTypeError, dequantize
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """One GGUF tensor handed to a layer: its index entry and canonical bytes."""
+
+    info: TensorInfo
+    raw: torch.Tensor
+    path: str
+
+
+def dequantize_source(src: WeightSource, expect_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if src.info.shape != expect_shape:
+        raise ModelLoadError(
+            f"{src.path}: tensor {src.info.name} ({src.info.type_name}) has shape {list(src.info.shape)}, "
+            f"the model expects {list(expect_shape)}"
+        )
+    try:
+        w = dequantize(src.raw, src.info.type_id, src.info.shape)
+    except UnsupportedTypeError as e:
+        raise ModelLoadError(f"{src.path}: tensor {src.info.name}: unsupported tensor type {src.info.type_name} ({e})") from e
+    return w.to(dtype)
+
+
+class QuantMethod:
+    """Strategy: how a linear layer stores its weight and multiplies by it."""
+
+    def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceMethod(QuantMethod):
+    """Dequantize at load, torch matmul at run time (CPU path; ground truth for the kernels)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+
+    def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
+        parts = [
+            dequantize_source(src, (rows, layer.in_features), self.dtype)
+            for src, rows in zip(sources, layer.output_sizes, strict=True)
+        ]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b); W may be several GGUF matrices stacked along the output rows."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], method: QuantMethod) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.method = method
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+
+    def load(self, sources: list[WeightSource], biases: list[torch.Tensor] | None = None) -> None:
+        self.method.create(self, sources)
+        if biases is not None:
+            self.bias = nn.Parameter(torch.cat(biases).to(self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)

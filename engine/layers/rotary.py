@@ -1,0 +1,76 @@
+"""Rotary position embedding with the scalings GGUF metadata describes.
+
+Two pairings, as llama.cpp names them: NORM rotates adjacent pairs (x[2i], x[2i+1]) and is what `llama`
+GGUFs use (the converter permuted q/k rows for it); NEOX rotates (x[i], x[i + d/2]) (qwen2, qwen3).
+Only the first `rope_dim` features of a head rotate.
+
+Scalings: linear (positions / factor), per-dimension frequency factors (Llama 3's `rope_freqs.weight`,
+dividing each frequency), and YaRN (blend of interpolated and original frequencies over a ramp between
+the beta_fast / beta_slow correction dimensions, cos/sin scaled by 0.1 ln(factor) + 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vegaserve.engine.models.arch_config import RopeScaling
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling, freq_factors: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """Per-pair inverse frequencies [dim/2] (f32) and the cos/sin magnitude scale."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    mscale = 1.0
+    if freq_factors is not None:
+        inv = inv / freq_factors.float()
+    if scaling.kind == "linear":
+        inv = inv / scaling.factor
+    elif scaling.kind == "yarn":
+        orig = scaling.original_context_length or 4096
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+        extrapolate = 1.0 - ramp.clamp(0.0, 1.0)  # 1: keep the original frequency
+        inv = (inv / scaling.factor) * (1.0 - extrapolate) + inv * extrapolate
+        mscale = (0.1 * math.log(scaling.factor) + 1.0) * scaling.attn_factor
+    return inv, mscale
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        rope_dim: int,
+        theta: float,
+        max_positions: int,
+        scaling: RopeScaling,
+        neox: bool,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.neox = neox
+        inv, mscale = rope_inv_freq(rope_dim, theta, scaling, freq_factors)
+        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+        self.register_buffer("cos", angles.cos() * mscale, persistent=False)
+        self.register_buffer("sin", angles.sin() * mscale, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        if self.neox:
+            a, b = rot.chunk(2, dim=-1)
+            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        else:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)

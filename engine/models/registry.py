@@ -1,0 +1,43 @@
+"""general.architecture -> model class, and the one function that builds a loaded model from a GGUF."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
+from vegaserve.engine.layers.linear import ReferenceMethod
+from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_gguf
+from vegaserve.engine.models.llama import LlamaModel
+from vegaserve.engine.models.weights import WeightLoader
+
+ARCHITECTURES: dict[str, type[LlamaModel]] = {
+    "llama": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    arch: ArchConfig
+    gguf: GGUFFile
+
+
+def load_model(gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True) -> LoadedModel:
+    arch_name = gguf.architecture
+    cls = ARCHITECTURES.get(arch_name)
+    if cls is None:
+        raise ModelLoadError(
+            f"{gguf.path}: unknown architecture {arch_name!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
+    dtype = torch.float32  # CPU reference path; GPU quant methods keep their own storage
+    model = cls(arch, ReferenceMethod(dtype), max_positions)
+    loader = WeightLoader(gguf, device, dtype, show_progress)
+    model.load(loader)
+    loader.report_unused()
+    model.to(device).eval()
+    return LoadedModel(model, arch, gguf)

@@ -1,0 +1,50 @@
+"""Hands GGUF tensors to the layers that load them, checking names, shapes and types on the way."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+from tqdm import tqdm
+
+from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
+from vegaserve.engine.layers.linear import WeightSource, dequantize_source
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightLoader:
+    def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, show_progress: bool = True) -> None:
+        self.gguf = gguf
+        self.device = device
+        self.dtype = dtype
+        self.show_progress = show_progress
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.gguf
+
+    def source(self, name: str) -> WeightSource:
+        self.used.add(name)
+        return WeightSource(self.gguf.info(name), self.gguf.raw(name), str(self.gguf.path))
+
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized to a dense `dtype` (default: the model's compute dtype) on the device."""
+        w = dequantize_source(self.source(name), tuple(shape), dtype or self.dtype)
+        return w.to(self.device)
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Norm weights, biases, frequency factors: always f32."""
+        return self.dense(name, tuple(shape), torch.float32)
+
+    def progress(self, items: Iterable[T]) -> Iterator[T]:
+        items = list(items)
+        yield from tqdm(items, desc=f"loading {self.gguf.path.name}", unit="layer", disable=not self.show_progress, leave=False)
+
+    def report_unused(self) -> None:
+        unused = sorted(set(self.gguf.tensors) - self.used)
+        if unused:
+            log.warning("%s: %d tensor(s) not used by the model: %s", self.gguf.path, len(unused), ", ".join(unused[:8]))

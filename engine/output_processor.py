@@ -1,0 +1,71 @@
+"""Turns sampled tokens into RequestOutputs: incremental text, stop tokens, stop strings, length limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vegaserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from vegaserve.engine.request import FinishReason, RequestOutput, TokenLogprob
+from vegaserve.engine.scheduler import Request
+
+
+@dataclass
+class OutputState:
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(tokenizer.stop_token_ids)
+
+    def attach(self, req: Request) -> None:
+        req.state = OutputState(
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_ids),
+            StopMatcher(tuple(req.params.stop), req.params.include_stop_str_in_output),
+        )
+
+    def on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Account for one sampled token (already appended to req.output_ids)."""
+        st: OutputState = req.state
+        p = req.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            # the stop token's own text is not part of the answer; text held back for stop strings is
+            return self._output(req, self._drain(st), [token], logprob, FinishReason.STOP)
+        text, stopped = st.stops.feed(st.detok.push(token))
+        if stopped:
+            return self._output(req, text, [token], logprob, FinishReason.STOP)
+        if len(req.output_ids) >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return self._output(req, text + self._drain(st), [token], logprob, FinishReason.LENGTH)
+        return self._output(req, text, [token], logprob, None)
+
+    @staticmethod
+    def _drain(st: OutputState) -> str:
+        """Everything still held: incomplete UTF-8 (as replacement characters) and possible stop prefixes."""
+        text, stopped = st.stops.feed(st.detok.flush())
+        return text if stopped else text + st.stops.flush()
+
+    def aborted(self, req: Request) -> RequestOutput:
+        return self._output(req, "", [], None, FinishReason.ABORT)
+
+    def _output(
+        self, req: Request, text: str, tokens: list[int], logprob: TokenLogprob | None, finish: FinishReason | None
+    ) -> RequestOutput:
+        st: OutputState = req.state
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and not st.sent_prompt_logprobs:
+            prompt_lp, st.sent_prompt_logprobs = st.prompt_logprobs, True
+        return RequestOutput(
+            request_id=req.request_id,
+            text=text,
+            token_ids=tokens,
+            logprobs=[logprob] if logprob is not None else ([] if req.params.logprobs is not None else None),
+            prompt_logprobs=prompt_lp,
+            finish_reason=finish,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_generated_tokens=len(req.output_ids),
+        )

@@ -1,0 +1,62 @@
+"""What the HTTP front may rely on from an engine: the only surface `server/` touches.
+
+`AsyncEngine` implements it; tests of the server implement it with a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vegaserve.engine.request import GenerateRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and /health."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class ChatTemplateLike(Protocol):
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list | None = None, **extra: Any
+    ) -> str: ...
+
+
+class EngineClient(Protocol):
+    model_name: str  # the id /v1/models lists and requests must name
+    max_model_len: int  # context length in tokens
+    tokenizer: TokenizerLike
+    chat_template: ChatTemplateLike
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's increments; the last one has finish_reason set.
+
+        Raises InvalidRequestError / ContextLengthError before the first output for a request that cannot
+        run, EngineDeadError when the engine is gone. Leaving the iterator early (client disconnect) aborts
+        the request and frees what it held.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def is_alive(self) -> bool: ...

@@ -1,0 +1,5 @@
+import sys
+
+from vegaserve.server.cli import main
+
+sys.exit(main())

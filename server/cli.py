@@ -1,0 +1,142 @@
+"""`vegaserve` command line: `serve` (the default), `perplexity`.
+
+Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
+the flags given end up in the config tree, above the environment and the `--config` YAML file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from vegaserve.engine.config import ConfigError, EngineConfig, merge_trees
+from vegaserve.engine.env import config_from_env
+
+# flag dest -> (section, key); section None: top level
+_FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
+    "model": ("model", "path"),
+    "load_mode": ("model", "load_mode"),
+    "no_repack": ("model", "no_repack"),
+    "alias": ("model", "served_model_name"),
+    "ctx_size": ("cache", "context_size"),
+    "parallel": ("scheduler", "max_num_seqs"),
+    "batch_size": ("scheduler", "max_num_batched_tokens"),
+    "split_mode": ("parallel", "split_mode"),
+    "tps": ("parallel", "tensor_parallel_group"),
+    "n_gpu_layers": ("parallel", "n_gpu_layers"),
+    "spec_type": ("speculative", "spec_type"),
+    "model_draft": ("speculative", "draft_model"),
+    "draft_max": ("speculative", "num_draft_tokens"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "api_key": ("server", "api_key"),
+    "log_level": ("server", "log_level"),
+    "device": (None, "device"),
+    "seed": (None, "seed"),
+}
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("-lm", "--load-mode", choices=["mmap", "read", "dio"], help="how weights are read (default mmap)")
+    g.add_argument("--no-repack", action="store_const", const=True, help="keep canonical GGUF blocks on the device")
+    g.add_argument("-c", "--ctx-size", type=int, help="context length in tokens (0: the model's)")
+    g.add_argument("--device", help="cpu, cuda, cuda:N (default: a GPU if present)")
+    g.add_argument("-t", "--threads", type=int, help="CPU threads for torch")
+    g.add_argument("--config", type=Path, help="YAML file of settings (configs/); flags override it")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, help="accepted for llama-server compatibility: all layers run on the GPU")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vegaserve", description="OpenAI-compatible GGUF inference server")
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI API (default command)")
+    _model_flags(serve)
+    g = serve.add_argument_group("serving")
+    g.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 to listen on all)")
+    g.add_argument("--port", type=int, help="port (default 8080)")
+    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on the API routes")
+    g.add_argument("-a", "--alias", help="model name reported by /v1/models (default: the file name)")
+    g.add_argument("-np", "--parallel", type=int, help="sequences served at once (default 1)")
+    g.add_argument("-b", "--batch-size", type=int, help="tokens computed per step at most (default 2048)")
+    g.add_argument("--seed", type=int, help="default sampling seed")
+    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", help="accepted for compatibility: attention is always fused")
+    g.add_argument("-sm", "--split-mode", choices=["none", "layer", "tensor", "row"], help="how to use several GPUs")
+    g.add_argument("-tps", type=int, dest="tps", help="tensor-parallel group size inside -sm tensor (0: all GPUs)")
+    g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"], help="speculative decoding")
+    g.add_argument("-md", "--model-draft", help="draft model GGUF for --spec-type draft")
+    g.add_argument("--draft-max", type=int, help="draft tokens per step")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    ppl = sub.add_parser("perplexity", help="llama-perplexity's measurement on a text file")
+    _model_flags(ppl)
+    ppl.add_argument("-f", "--file", required=True, type=Path, help="text file to score")
+    ppl.add_argument("--chunks", type=int, help="score at most this many chunks")
+    return parser
+
+
+def config_tree_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for dest, (section, key) in _FLAG_TARGETS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest == "split_mode" and value == "row":
+            value = "tensor"  # llama.cpp's row split is a tensor split
+        if section is None:
+            tree[key] = value
+        else:
+            tree.setdefault(section, {})[key] = value
+    return tree
+
+
+def load_config(args: argparse.Namespace) -> EngineConfig:
+    yaml_tree: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        import yaml
+
+        try:
+            yaml_tree = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{args.config}: cannot read the config file: {e}") from e
+        if not isinstance(yaml_tree, dict):
+            raise ConfigError(f"{args.config}: the config file must be a mapping of sections")
+    return EngineConfig.from_dict(merge_trees(yaml_tree, config_from_env(), config_tree_from_args(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["serve", *argv]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=(getattr(args, "log_level", None) or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from vegaserve.engine.gguf_file import ModelLoadError
+
+    try:
+        config = load_config(args)
+        if args.command == "perplexity":
+            from vegaserve.server.perplexity_cmd import run_perplexity
+
+            return run_perplexity(config, args.file, args.chunks)
+        from vegaserve.server.serve_cmd import run_server
+
+        return run_server(config)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"vegaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

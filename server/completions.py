@@ -1,0 +1,113 @@
+"""POST /v1/completions: the legacy API, prompt text or token ids in, text out, with echo and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vegaserve.engine.protocol import EngineClient
+from vegaserve.engine.request import GenerateRequest, RequestOutput, TokenLogprob
+from vegaserve.server.body import json_response
+from vegaserve.server.generation import Generation, collect
+from vegaserve.server.logprobs import LegacyLogprobs, merge
+from vegaserve.server.metrics import ServerMetrics
+from vegaserve.server.preprocess import check_model, completion_prompt_ids, completion_sampling_params
+from vegaserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    new_id,
+    now,
+)
+from vegaserve.server.streaming import finish_reason, start_stream, usage_of
+
+
+class _Echo:
+    """What a completion choice shows before the generated text, and the logprobs of its tokens.
+
+    Holds the running LegacyLogprobs so stream chunks and the whole response share one offset count.
+    """
+
+    def __init__(self, engine: EngineClient, body: CompletionRequest, prompt_ids: list[int]) -> None:
+        self.prompt_ids = prompt_ids
+        self.text = ""
+        if body.echo:
+            # The prompt as the client sent it; a token-id prompt has no text but its decoding.
+            self.text = body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(prompt_ids)
+        self.logprobs = LegacyLogprobs(engine.tokenizer) if body.logprobs is not None else None
+        self.echo = body.echo
+
+    def prompt_part(self, first: RequestOutput) -> CompletionLogprobs | None:
+        if self.logprobs is None or not self.echo:
+            return None
+        entries: Sequence[TokenLogprob | None] = first.prompt_logprobs or [None] * len(self.prompt_ids)
+        part = self.logprobs.add(self.prompt_ids, entries)
+        # Generated tokens' offsets point into the text after the echoed prompt.
+        self.logprobs.skip_to(len(self.text))
+        return part
+
+    def output_part(self, out: RequestOutput) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        entries: Sequence[TokenLogprob | None] = out.logprobs or [None] * len(out.token_ids)
+        return self.logprobs.add(out.token_ids, entries)
+
+
+async def create_completion(
+    engine: EngineClient, metrics: ServerMetrics, http: Request, body: CompletionRequest
+) -> Response:
+    check_model(engine, body.model)
+    prompt_ids = completion_prompt_ids(engine, body)
+    params = completion_sampling_params(engine, body, len(prompt_ids))
+    generation = Generation(engine, GenerateRequest(prompt_ids, params, new_id("cmpl")), metrics)
+    echo = _Echo(engine, body, prompt_ids)
+    if body.stream:
+        return await start_stream(http, generation, lambda first: _chunks(engine, body, generation, echo, first))
+
+    outputs = await collect(http, generation)
+    parts = [echo.prompt_part(outputs[0])] if outputs else []
+    parts += [echo.output_part(out) for out in outputs]
+    logprobs = merge([p for p in parts if p is not None]) if echo.logprobs is not None else None
+    response = CompletionResponse(
+        id=generation.request_id,
+        model=engine.model_name,
+        choices=[
+            CompletionChoice(
+                text=echo.text + "".join(out.text for out in outputs),
+                logprobs=logprobs,
+                finish_reason=finish_reason(outputs[-1]) if outputs else None,
+            )
+        ],
+        usage=usage_of(generation, len(prompt_ids), sum(len(out.token_ids) for out in outputs)),
+    )
+    return json_response(response)
+
+
+async def _chunks(
+    engine: EngineClient, body: CompletionRequest, generation: Generation, echo: _Echo, first: RequestOutput
+) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return CompletionResponse(
+            id=generation.request_id, created=created, model=engine.model_name, choices=choices, usage=usage
+        ).model_dump_json()
+
+    n_generated = 0
+    out: RequestOutput | None = first
+    while out is not None:
+        n_generated += len(out.token_ids)
+        prefix, prompt_part = (echo.text, echo.prompt_part(out)) if out is first else ("", None)
+        part = echo.output_part(out)
+        if prompt_part is not None and part is not None:
+            part = merge([prompt_part, part])
+        text = prefix + out.text
+        if text or out.finished or part is not None and part.tokens:
+            yield chunk([CompletionChoice(text=text, logprobs=part, finish_reason=finish_reason(out))])
+        out = None if out.finished else await anext(generation, None)
+    if body.include_usage:
+        yield chunk([], usage=usage_of(generation, len(echo.prompt_ids), n_generated))

@@ -1,0 +1,136 @@
+"""One engine request as the routes drive it: measured, and aborted whenever the client stops listening.
+
+`Generation` wraps `engine.generate()`; `close()` is the single place a request ends early: it closes the
+engine's iterator and calls `engine.abort`, shielded from the cancellation that usually triggers it (a
+client disconnect cancels the task that was reading outputs). `until_disconnect` lets a route that is not
+streaming yet notice the client leaving, since nothing is being sent that could fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from vegaserve.engine.protocol import EngineClient
+from vegaserve.engine.request import EngineError, GenerateRequest, RequestOutput
+from vegaserve.server.errors import ClientDisconnected
+from vegaserve.server.metrics import RequestMetrics, ServerMetrics
+
+logger = logging.getLogger("vegaserve.server")
+
+T = TypeVar("T")
+
+# Cleanup runs shielded from cancellation, so it needs its own deadline: an engine that hangs in
+# abort() must not hold a finished connection forever.
+_CLEANUP_TIMEOUT_S = 10.0
+
+
+class Generation:
+    """The outputs of one GenerateRequest; iterate it, and always `await close()` at the end."""
+
+    def __init__(self, engine: EngineClient, request: GenerateRequest, metrics: ServerMetrics) -> None:
+        self.request = request
+        self._engine = engine
+        self._timer: RequestMetrics = metrics.track()
+        self._outputs: AsyncIterator[RequestOutput] = engine.generate(request)
+        self.finished = False  # the engine delivered the output with finish_reason
+        self._failed = False  # the engine raised: it has ended the request itself, nothing to abort
+        self._closed = False
+        self.last: RequestOutput | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            out = await self._outputs.__anext__()
+        except EngineError:
+            self._failed = True
+            raise
+        self._timer.on_output(out)
+        self.last = out
+        self.finished = out.finished
+        return out
+
+    async def close(self) -> None:
+        """Idempotent. Aborts the request in the engine unless it finished or the engine failed it."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.move_on_after(_CLEANUP_TIMEOUT_S, shield=True) as scope:
+            if self.finished:
+                await self._run_to_end()
+            aclose = getattr(self._outputs, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    logger.warning("closing the engine stream of %s failed", self.request_id, exc_info=True)
+            if not (self.finished or self._failed):
+                self._timer.finish("abort")
+                await self._engine.abort(self.request_id)
+        if scope.cancelled_caught:
+            logger.warning("cleanup of %s took longer than %.0f s; left behind", self.request_id, _CLEANUP_TIMEOUT_S)
+
+    async def _run_to_end(self) -> None:
+        # After its last output the engine's iterator is still suspended at that yield; closing it there
+        # would look like a client leaving early (an abort) to the engine, so let it end by itself.
+        try:
+            async for extra in self._outputs:
+                logger.warning("engine sent output after the finish of %s: %r", self.request_id, extra)
+        except Exception:
+            logger.warning("the engine stream of %s failed after its finish", self.request_id, exc_info=True)
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Runs `work()`; if the client disconnects first, cancels it and raises ClientDisconnected.
+
+    Reads `receive` directly, which is only safe once the body has been read (the routes parse it first).
+    """
+    gone = False
+    result: T
+    error: Exception | None = None
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    gone = True
+                    group.cancel_scope.cancel()
+                    return
+
+        group.start_soon(watch)
+        try:
+            result = await work()
+        except Exception as exc:  # re-raised below, outside the task group, so it is not wrapped
+            error = exc
+        group.cancel_scope.cancel()
+    if gone:
+        raise ClientDisconnected
+    if error is not None:
+        raise error
+    return result
+
+
+async def collect(request: Request, generation: Generation) -> list[RequestOutput]:
+    """All outputs of a non-streaming request; aborts it if the client leaves while it runs."""
+
+    async def drain() -> list[RequestOutput]:
+        return [out async for out in generation]
+
+    try:
+        return await until_disconnect(request, drain)
+    finally:
+        await generation.close()

@@ -1,0 +1,120 @@
+"""From a validated OpenAI request to the engine's GenerateRequest: prompt token ids + SamplingParams.
+
+Everything that can be refused before the engine sees the request is refused here with a message that
+names the field: the model name, token ids outside the vocabulary, a prompt that does not fit the context.
+"""
+
+from __future__ import annotations
+
+from vegaserve.engine.protocol import EngineClient
+from vegaserve.engine.request import ContextLengthError, InvalidRequestError, SamplingParams
+from vegaserve.server.errors import ApiError
+from vegaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def check_model(engine: EngineClient, requested: str | None) -> None:
+    # An empty or missing name means "whatever you serve", as llama-server allows.
+    if requested and requested != engine.model_name:
+        raise ApiError(
+            404, f"model {requested!r} is not served here; this server serves {engine.model_name!r}",
+            param="model", code="model_not_found",
+        )
+
+
+def check_token_ids(engine: EngineClient, ids: list[int], field: str) -> None:
+    vocab = engine.tokenizer.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=field)
+
+
+def chat_prompt_ids(engine: EngineClient, request: ChatCompletionRequest) -> list[int]:
+    messages = [m.for_template() for m in request.messages]
+    try:
+        prompt = engine.chat_template.render(messages, add_generation_prompt=True, tools=request.tools)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:
+        # Templates reject conversations they cannot render (roles out of order, ...) by raising;
+        # that is a fault of the request, and the template's own message says which.
+        raise ApiError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+    # The rendered template already writes BOS where this model wants it, so no special tokens are
+    # added here (a second BOS changes the output of many models); special-token text the template
+    # wrote (<|im_start|>, ...) must become the special ids, hence parse_special.
+    return engine.tokenizer.encode(prompt, add_special_tokens=False, parse_special=True)
+
+
+def completion_prompt_ids(engine: EngineClient, request: CompletionRequest) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        # A raw prompt has no template to write BOS, so the tokenizer adds what the model expects.
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
+    else:
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # the validator left list[int]
+        check_token_ids(engine, ids, "prompt")
+    if not ids:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+def sampling_params(
+    engine: EngineClient,
+    request: SamplingFields,
+    prompt_len: int,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams for a prompt of `prompt_len` tokens; max_tokens None means "up to the context"."""
+    limit = engine.max_model_len
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens but the model's context is {limit} tokens, "
+            "which leaves no room for output; shorten the prompt"
+        )
+    bias = request.logit_bias_ids()
+    check_token_ids(engine, list(bias), "logit_bias")
+    stop_ids = list(request.stop_token_ids or ())
+    check_token_ids(engine, stop_ids, "stop_token_ids")
+    params = SamplingParams(  # validates the ranges, raising InvalidRequestError (a 400)
+        max_tokens=max_tokens if max_tokens is not None else limit - prompt_len,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=request.top_k or 0,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=bias,
+        stop=request.stop_strings(),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    assert params.max_tokens is not None
+    if prompt_len + params.max_tokens > limit:
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}, together "
+            f"{prompt_len + params.max_tokens} tokens, more than the model's context of {limit} tokens; "
+            "lower max_tokens or shorten the prompt"
+        )
+    return params
+
+
+def chat_sampling_params(engine: EngineClient, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+    return sampling_params(
+        engine, request, prompt_len, max_tokens=request.requested_max_tokens(), logprobs=request.num_logprobs()
+    )
+
+
+def completion_sampling_params(engine: EngineClient, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+    return sampling_params(
+        engine, request, prompt_len,
+        max_tokens=request.max_tokens,
+        logprobs=request.logprobs,
+        # Echo with logprobs shows the prompt's logprobs too, as the legacy API did.
+        prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+    )

@@ -1,0 +1,86 @@
+"""Server-sent events for chat and completions: start a stream, end it with `data: [DONE]`.
+
+A stream starts only once the engine has produced its first output, so a request the engine refuses
+(InvalidRequestError, ContextLengthError) still gets a proper 4xx instead of a 200 followed by an error
+event. After that, errors can only travel inside the stream, as an event in the error envelope.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+
+from vegaserve.engine.request import EngineError, RequestOutput
+from vegaserve.server.errors import ApiError, from_engine_error
+from vegaserve.server.generation import Generation, until_disconnect
+from vegaserve.server.protocol import UsageInfo
+
+logger = logging.getLogger("vegaserve.server")
+
+DONE = "[DONE]"
+# Keep-alive comments for proxies that cut idle connections during a long prefill; clients skip them.
+_PING_INTERVAL_S = 15
+
+
+def usage_of(generation: Generation, prompt_len: int, completion_tokens: int) -> UsageInfo:
+    """Usage from the engine's own counts on the last output; the server's counts stand in only when
+    an engine left them at zero."""
+    last = generation.last
+    prompt = last.num_prompt_tokens if last is not None and last.num_prompt_tokens else prompt_len
+    generated = last.num_generated_tokens if last is not None and last.num_generated_tokens else completion_tokens
+    return UsageInfo.of(prompt, generated)
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finish_reason is not None else None
+
+
+async def _first_output(generation: Generation) -> RequestOutput:
+    out = await anext(generation, None)
+    if out is None:
+        raise ApiError(500, "the engine ended the request without any output", type="server_error")
+    return out
+
+
+async def _events_then_done(events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+    """Every stream ends with [DONE]; a failure mid-stream is sent as an error event first."""
+    try:
+        async for event in events:
+            yield event
+    except EngineError as exc:
+        yield json.dumps(from_engine_error(exc).body())
+    except Exception:
+        logger.exception("stream of %s failed", generation.request_id)
+        yield json.dumps(ApiError(500, "internal server error", type="server_error").body())
+    finally:
+        # Closing here (not only in the background task) frees the engine's slot as soon as the
+        # events stop, whatever stopped them: the end, an error, or a disconnect's cancellation.
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await generation.close()
+    yield DONE
+
+
+async def start_stream(
+    http: Request, generation: Generation, events_from: Callable[[RequestOutput], AsyncIterator[str]]
+) -> EventSourceResponse:
+    """Waits for the first output (aborting if the client leaves meanwhile), then streams the events
+    `events_from(first)` yields, each one JSON text."""
+    try:
+        first = await until_disconnect(http, lambda: _first_output(generation))
+    except BaseException:
+        await generation.close()
+        raise
+    return EventSourceResponse(
+        _events_then_done(events_from(first), generation),
+        sep="\n",
+        ping=_PING_INTERVAL_S,
+        # Runs even when the body never started (a disconnect right after the headers).
+        background=BackgroundTask(generation.close),
+    )

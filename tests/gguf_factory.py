@@ -1,0 +1,129 @@
+"""Writes tiny GGUF models with random weights for every architecture and weight type the tests need.
+
+The vocabulary and chat template are SmolLM2's (read from the embedded model), so the tokenizer path is the
+real one; the weights are random valid blocks of the requested type (scales finite and moderate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from vegaserve.engine.gguf_file import GGUFFile, default_model_path
+from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+)
+_tokenizer_cache: dict[str, object] = {}
+
+
+def smollm2_tokenizer_metadata() -> dict[str, object]:
+    if not _tokenizer_cache:
+        md = GGUFFile(default_model_path()).metadata
+        _tokenizer_cache.update({k: md[k] for k in _TOKENIZER_KEYS if k in md})
+    return _tokenizer_cache
+
+
+@dataclass
+class TinySpec:
+    arch: str = "llama"  # llama | qwen2 | qwen3
+    n_layers: int = 2
+    hidden: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn: int = 512
+    context: int = 512
+    weight_type: str = "Q8_0"  # every 2-D matrix except the embedding
+    embed_type: str = "Q8_0"
+    tied: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, float | str] = field(default_factory=dict)  # e.g. {"type": "linear", "factor": 2.0}
+    seed: int = 0
+
+
+def _type_id(name: str) -> int:
+    return next(t for t, s in GGML_TYPES.items() if s.name == name)
+
+
+def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
+    md = smollm2_tokenizer_metadata()
+    vocab = len(md["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(spec.seed)
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    a = spec.arch
+    head_dim = spec.hidden // spec.n_heads
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context)
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(vocab)
+    if spec.rope_scaling:
+        w.add_string(f"{a}.rope.scaling.type", str(spec.rope_scaling["type"]))
+        w.add_float32(f"{a}.rope.scaling.factor", float(spec.rope_scaling["factor"]))
+        if "original_context_length" in spec.rope_scaling:
+            w.add_uint32(f"{a}.rope.scaling.original_context_length", int(spec.rope_scaling["original_context_length"]))
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(md["tokenizer.chat_template"])
+
+    def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
+        tid = _type_id(type_name)
+        qs = GGML_TYPES[tid]
+        if type_name == "F32":
+            data = (torch.rand(rows, cols, generator=gen) * 2 - 1).numpy() * 0.5
+            w.add_tensor(name, data.astype(np.float32))
+            return
+        raw = random_blocks(tid, rows, cols // qs.block_size, gen).numpy()
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(tid))
+
+    def vector(name: str, n: int, around: float = 1.0) -> None:
+        w.add_tensor(name, (around + 0.1 * torch.randn(n, generator=gen)).numpy().astype(np.float32))
+
+    matrix("token_embd.weight", vocab, spec.hidden, spec.embed_type)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", spec.hidden)
+        matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.hidden, spec.weight_type)
+        matrix(p + "attn_k.weight", spec.n_kv_heads * head_dim, spec.hidden, spec.weight_type)
+        matrix(p + "attn_v.weight", spec.n_kv_heads * head_dim, spec.hidden, spec.weight_type)
+        if a == "qwen2":
+            for n, rows in (("q", spec.n_heads), ("k", spec.n_kv_heads), ("v", spec.n_kv_heads)):
+                vector(p + f"attn_{n}.bias", rows * head_dim, around=0.0)
+        if a == "qwen3":
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
+        matrix(p + "attn_output.weight", spec.hidden, spec.n_heads * head_dim, spec.weight_type)
+        vector(p + "ffn_norm.weight", spec.hidden)
+        matrix(p + "ffn_gate.weight", spec.ffn, spec.hidden, spec.weight_type)
+        matrix(p + "ffn_up.weight", spec.ffn, spec.hidden, spec.weight_type)
+        matrix(p + "ffn_down.weight", spec.hidden, spec.ffn, spec.weight_type)
+    vector("output_norm.weight", spec.hidden)
+    if not spec.tied:
+        matrix("output.weight", vocab, spec.hidden, spec.weight_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
