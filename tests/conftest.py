@@ -1,0 +1,53 @@
+"""Fixtures shared by the whole suite: the embedded SmolLM2 loaded once, its transformers twin, tiny GGUFs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+
+def load_test_module(name: str) -> ModuleType:
+    """Helpers beside the tests are loaded by path (the suite runs with --import-mode=importlib)."""
+    key = f"vegaserve_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+@pytest.fixture(scope="session")
+def gguf_factory() -> ModuleType:
+    return load_test_module("gguf_factory")
+
+
+@pytest.fixture(scope="session")
+def smollm2_core():
+    """The embedded model in an EngineCore with 4 slots of 1024 tokens (f32 reference path, CPU)."""
+    from vegaserve.engine.config import EngineConfig
+    from vegaserve.engine.engine_core import EngineCore
+
+    return EngineCore(
+        EngineConfig.from_dict({"cache": {"context_size": 1024}, "scheduler": {"max_num_seqs": 4}, "device": "cpu"}),
+        show_progress=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Iterator[torch.nn.Module]:
+    """transformers loading the same GGUF in fp32: the independent reference for the model code."""
+    transformers = pytest.importorskip("transformers")
+    from vegaserve.engine.gguf_file import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    yield model.eval()
