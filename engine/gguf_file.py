@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -77,12 +78,33 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that names the tensor a truncated file cuts. gguf-py builds a view of every tensor while
+    parsing, so a short file fails there on a numpy reshape, before any check of ours could run."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        super().__init__(path, "r")
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_dtype, offset = field.parts  # gguf-py's tensor-info layout
+            ggml_type = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
+            if end > size:
+                raise ModelLoadError(
+                    f"{self._path}: truncated file: tensor {bytes(name).decode(errors='replace')} ({ggml_type.name}, "
+                    f"shape {list(reversed(dims.tolist()))}) needs bytes up to {end} but the file has {size}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 class GGUFFile:
     """One model, possibly split over several files."""
 
     def __init__(self, path: str | os.PathLike[str], load_mode: LoadMode = "mmap") -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.exists():
             raise ModelLoadError(f"{self.path}: no such file")
@@ -97,7 +119,9 @@ class GGUFFile:
             if magic != b"GGUF":
                 raise ModelLoadError(f"{part}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
             try:
-                self._readers.append(gguf.GGUFReader(part, "r"))
+                self._readers.append(_Reader(part))
+            except ModelLoadError:
+                raise
             except Exception as e:  # gguf-py raises ValueError/IndexError/... on a damaged header
                 raise ModelLoadError(f"{part}: damaged or truncated GGUF header ({type(e).__name__}: {e})") from e
         self.metadata: dict[str, Any] = {}
@@ -107,9 +131,8 @@ class GGUFFile:
             self.metadata[key] = field.contents()
         self.tensors: dict[str, TensorInfo] = {}
         for i, reader in enumerate(self._readers):
-            size = os.path.getsize(self.parts[i])
             for t in reader.tensors:
-                info = TensorInfo(
+                self.tensors[t.name] = TensorInfo(
                     name=t.name,
                     type_id=int(t.tensor_type),
                     type_name=t.tensor_type.name,
@@ -118,13 +141,6 @@ class GGUFFile:
                     part=i,
                     offset=int(t.data_offset),
                 )
-                if info.offset + info.n_bytes > size:
-                    raise ModelLoadError(
-                        f"{self.parts[i]}: truncated file: tensor {t.name} ({info.type_name}, shape "
-                        f"{list(info.shape)}) needs bytes up to {info.offset + info.n_bytes} but the file "
-                        f"has {size}"
-                    )
-                self.tensors[t.name] = info
         self._dio_ok = load_mode == "dio"
 
     @property

@@ -1,0 +1,99 @@
+"""EngineCore on the embedded model: stop rules, limits, logprobs, aborts, and batching that changes nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from vegaserve.engine.request import FinishReason, GenerateRequest, SamplingParams
+
+
+def run(core, ids, **kw):
+    outs = core.generate_sync(GenerateRequest(list(ids), SamplingParams(**kw)))
+    return outs, "".join(o.text for o in outs), [t for o in outs for t in o.token_ids]
+
+
+def prompt(core, text="The capital of France is"):
+    return core.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_max_tokens_stops_with_length(smollm2_core):
+    outs, _, toks = run(smollm2_core, prompt(smollm2_core), max_tokens=5, temperature=0, ignore_eos=True)
+    assert len(toks) == 5 and outs[-1].finish_reason is FinishReason.LENGTH
+    assert outs[-1].num_generated_tokens == 5 and outs[-1].num_prompt_tokens == len(prompt(smollm2_core))
+
+
+def test_stop_string_truncates_text_and_finishes_with_stop(smollm2_core):
+    _, full, _ = run(smollm2_core, prompt(smollm2_core), max_tokens=20, temperature=0, ignore_eos=True)
+    stop = full[8:12]
+    outs, text, _ = run(smollm2_core, prompt(smollm2_core), max_tokens=20, temperature=0, ignore_eos=True, stop=(stop,))
+    assert text == full[: full.index(stop)]
+    assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_stop_token_id_finishes_without_its_text(smollm2_core):
+    _, full, toks = run(smollm2_core, prompt(smollm2_core), max_tokens=10, temperature=0, ignore_eos=True)
+    stop = toks[3]
+    first = toks.index(stop)
+    outs, text, got = run(smollm2_core, prompt(smollm2_core), max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(stop,))
+    assert got == toks[: first + 1] and outs[-1].finish_reason is FinishReason.STOP
+    assert text == smollm2_core.tokenizer.decode(toks[:first])
+
+
+def test_eos_ends_generation_unless_ignored(smollm2_core):
+    ids = smollm2_core.tokenizer.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    outs, _, toks = run(smollm2_core, ids, max_tokens=200, temperature=0)
+    assert outs[-1].finish_reason is FinishReason.STOP and toks[-1] in smollm2_core.tokenizer.stop_token_ids
+    assert len(toks) < 200
+
+
+def test_logprobs_match_log_softmax_of_the_model(smollm2_core):
+    ids = prompt(smollm2_core)
+    outs, _, toks = run(smollm2_core, ids, max_tokens=1, temperature=0, logprobs=3)
+    lp = outs[0].logprobs[0]
+    with torch.inference_mode():
+        from vegaserve.engine.forward_batch import ForwardBatch
+
+        r = smollm2_core.runner
+        ref = torch.log_softmax(r.model(ForwardBatch.build([(0, 0, ids)], [False], smollm2_core.device), r.cache)[0], -1)
+    assert lp.token_id == toks[0] == int(ref.argmax())
+    assert abs(lp.logprob - float(ref[toks[0]])) < 1e-5
+    assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_prompt_logprobs_cover_every_prompt_token_across_chunks(smollm2_core):
+    ids = prompt(smollm2_core, "one two three four five six seven eight nine ten eleven twelve")
+    outs, _, _ = run(smollm2_core, ids, max_tokens=1, temperature=0, prompt_logprobs=2)
+    plp = outs[0].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [p.token_id for p in plp[1:]] == ids[1:]
+    assert all(p.logprob <= 0 for p in plp[1:])
+
+
+def test_batched_requests_generate_what_they_generate_alone(smollm2_core):
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+    alone = [run(smollm2_core, prompt(smollm2_core, t), max_tokens=12, temperature=0, ignore_eos=True)[2] for t in texts]
+    reqs = [GenerateRequest(prompt(smollm2_core, t), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for t in texts]
+    for r in reqs:
+        smollm2_core.add_request(r)
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while smollm2_core.has_work:
+        for o in smollm2_core.step():
+            got[o.request_id].extend(o.token_ids)
+    assert [got[r.request_id] for r in reqs] == alone
+
+
+def test_abort_frees_the_slot(smollm2_core):
+    free = len(smollm2_core.scheduler.free_slots)
+    req = GenerateRequest(prompt(smollm2_core), SamplingParams(max_tokens=50, temperature=0))
+    smollm2_core.add_request(req)
+    smollm2_core.step()
+    assert len(smollm2_core.scheduler.free_slots) == free - 1
+    out = smollm2_core.abort(req.request_id)
+    assert out.finish_reason is FinishReason.ABORT
+    assert len(smollm2_core.scheduler.free_slots) == free and not smollm2_core.has_work
+
+
+def test_seeded_sampling_repeats(smollm2_core):
+    a = run(smollm2_core, prompt(smollm2_core), max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)[2]
+    b = run(smollm2_core, prompt(smollm2_core), max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)[2]
+    assert a == b
