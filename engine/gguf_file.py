@@ -197,7 +197,7 @@ class GGUFFile:
             # an anonymous mmap is page-aligned, which O_DIRECT needs for the destination
             staging = mmap.mmap(-1, end - start)
             try:
-                got = os.preadv(fd, [staging], start)
+                got = _pread_all(fd, staging, start)
             except OSError as e:
                 staging.close()
                 return self._dio_fallback(info, e)
@@ -218,6 +218,22 @@ class GGUFFile:
         )
         self._dio_ok = False
         return self._read_plain(info)
+
+
+_DIO_CHUNK = 1 << 30  # one read returns at most ~2 GiB on Linux; keep each aligned and well under that
+
+
+def _pread_all(fd: int, staging: mmap.mmap, start: int) -> int:
+    """O_DIRECT reads into `staging` from file offset `start` until it is full or the file ends."""
+    view = memoryview(staging)
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got : got + _DIO_CHUNK]], start + got)
+        if n <= 0:
+            break
+        got += n
+    view.release()
+    return got
 
 
 def _readonly_view(data: np.ndarray) -> torch.Tensor:
