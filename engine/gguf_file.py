@@ -225,14 +225,14 @@ _DIO_CHUNK = 1 << 30  # one read returns at most ~2 GiB on Linux; keep each alig
 
 def _pread_all(fd: int, staging: mmap.mmap, start: int) -> int:
     """O_DIRECT reads into `staging` from file offset `start` until it is full or the file ends."""
-    view = memoryview(staging)
     got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got : got + _DIO_CHUNK]], start + got)
-        if n <= 0:
-            break
-        got += n
-    view.release()
+    with memoryview(staging) as view:
+        while got < len(view):
+            with view[got : got + _DIO_CHUNK] as part:
+                n = os.preadv(fd, [part], start + got)
+            if n <= 0:
+                break
+            got += n
     return got
 
 
