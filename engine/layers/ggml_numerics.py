@@ -1,7 +1,9 @@
 """Emulation of llama.cpp's CPU (ggml-cpu) arithmetic, for matching its logits, not for speed.
 
 A model computed in plain f32 agrees with transformers to ~1e-6 but not with llama.cpp: ggml's CPU backend
-rounds in places f32 torch does not. The ones that matter (see docs/GGML_NUMERICS.md for the measurements):
+rounds in places f32 torch does not. With q8 activations SmolLM2-135M is chaotic: a 1e-6 relative nudge of
+the matmul inputs moves first-token logprobs by 0.1-0.2, so only a bit-exact emulation can match llama.cpp's
+logits; this module gets the formulas right, not every f32 ulp. What ggml does:
 
 * Activation quantization before every quantized matmul. The activation row is quantized to the weight
   type's `vec_dot_type` and the dot runs on integers:
@@ -21,8 +23,9 @@ rounds in places f32 torch does not. The ones that matter (see docs/GGML_NUMERIC
   out = f32(acc) * (1/S). For >= 64 queries ggml tiles in f32 (q f32, k/v f16 -> f32): `path="tiled"`.
 * RoPE angles: theta_i = p * theta_scale^i by repeated f32 multiplication, theta_scale = powf(base, -2/d).
 
-Not emulated (measured negligible here): order of f32 sums inside dots, rms_norm's double accumulation,
-ggml's SIMD expf in silu, FMA contraction, split-KV decode for >= 512 cached keys.
+Not emulated: ggml's SIMD expf in silu, FMA contraction in rope, the KQ dot's lane order, split-KV decode
+(>= 512 cached keys). Each is an f32-ulp effect, which is enough to flip q8 roundings (see above).
+`legacy_linear_exact` reproduces the x86 lane/FMA order of the legacy dots, slowly.
 """
 
 from __future__ import annotations
