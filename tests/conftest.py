@@ -12,6 +12,10 @@ import pytest
 import torch
 
 
+# llama.cpp's outputs on the embedded model: shared/ lies beside the checkout (here and in CI)
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2"
+
+
 def load_test_module(name: str) -> ModuleType:
     """Helpers beside the tests are loaded by path (the suite runs with --import-mode=importlib)."""
     key = f"vegaserve_tests_{name}"

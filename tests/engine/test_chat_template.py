@@ -15,7 +15,7 @@ import pytest
 from vegaserve.engine.chat_template import ChatTemplate
 from vegaserve.engine.request import InvalidRequestError
 
-CHAT = json.loads(Path("/work/shared/reference/smollm2/chat.json").read_text())
+CHAT = json.loads((Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2" / "chat.json").read_text())
 
 
 def smollm2_path() -> str:

@@ -15,7 +15,7 @@ import pytest
 from vegaserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from vegaserve.engine.tokenizer import Tokenizer
 
-TOKENIZATION = json.loads(Path("/work/shared/reference/smollm2/tokenization.json").read_text())["strings"]
+TOKENIZATION = json.loads((Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2" / "tokenization.json").read_text())["strings"]
 UNICODE_CASE = next(c for c in TOKENIZATION if any(ord(ch) > 0x7F for ch in c["text"]))
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from vegaserve.engine.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, split_words
 
-REFERENCE = Path("/work/shared/reference/smollm2")
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2"
 TOKENIZATION = json.loads((REFERENCE / "tokenization.json").read_text())["strings"]
 CHAT = json.loads((REFERENCE / "chat.json").read_text())
 
