@@ -1,8 +1,12 @@
 """AsyncEngine: the asyncio face of EngineCore, one output queue per request.
 
-The core's step loop runs in its own thread beside the HTTP front's event loop. torch releases the GIL
-inside its kernels, so the front keeps accepting and streaming while a step computes; a process would add
-a copy of every output across a pipe for no gain on one host (see docs/ARCHITECTURE.md).
+The core's step loop and the HTTP front's event loop run in two threads of one process. torch releases the
+GIL inside its kernels, so the front keeps accepting and streaming while a step computes; a process would
+add a copy of every output across a pipe for no gain on one host (see docs/ARCHITECTURE.md).
+
+`vegaserve serve` runs the step loop on the main thread (`run_loop`) and uvicorn on a second one: on the
+CPU path, torch's kernels measured 1.7x slower in a thread other than the one that loaded the model
+(SmolLM2 decode 16.6 against 29.5 tokens/s, docs/PERF.md). Tests let the loop start its own thread.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, start_loop: bool = True) -> None:
         self.core = core
         self.model_name = core.model_name
         self.max_model_len = core.max_model_len
@@ -34,8 +38,12 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
-        self._thread.start()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        if start_loop:
+            self._thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
+            self._running = True
+            self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> AsyncEngine:
@@ -43,7 +51,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._running
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -79,7 +87,8 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # -- the loop thread --------------------------------------------------------------------------------
     def _post(self, kind: str, payload: object) -> None:
@@ -107,7 +116,9 @@ class AsyncEngine:
             else:
                 self.core.abort(payload)  # type: ignore[arg-type]
 
-    def _run(self) -> None:
+    def run_loop(self) -> None:
+        """The step loop; returns after shutdown() or a failure. Runs in whichever thread calls it."""
+        self._running = True
         try:
             while not self._stopping:
                 self._drain_inbox()
@@ -124,3 +135,5 @@ class AsyncEngine:
                 rids = list(self._queues)
             for rid in rids:
                 self._deliver(rid, EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+        finally:
+            self._running = False
