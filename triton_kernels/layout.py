@@ -1,0 +1,123 @@
+"""Where a quantized matrix's bytes live on the device: canonical GGUF blocks, or repacked planes.
+
+Every GGUF block type is a fixed record of fields (a scale, a min, packed quants, ...). A field is
+addressed, for row r and block b of the matrix, at
+
+    base + offset + r * row_stride + b * block_stride     (bytes)
+
+Canonical layout: one buffer, the GGUF rows as they are; every field has row_stride = bytes per row and
+block_stride = the block size in bytes, offset = the field's place inside the block.
+Repacked layout: each field in its own plane, a plane's rows contiguous and starting at 16-byte aligned
+addresses, block_stride = the field's size; so quants load as wide vectors and scales as short runs.
+Both describe the same bytes, so one dequantizing tile function per type serves both layouts; repacking
+is a gather of bytes (done on the device at load) and costs at most 15 bytes of padding per row and plane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vegaserve.triton_kernels.dequant import spec_for
+
+ALIGN = 16
+MAX_FIELDS = 4
+
+# type name -> fields as (name, byte offset in the block, size in bytes); the layouts of quants/*.py
+FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
+    "Q4_0": (("d", 0, 2), ("qs", 2, 16)),
+    "Q4_1": (("d", 0, 2), ("m", 2, 2), ("qs", 4, 16)),
+    "Q5_0": (("d", 0, 2), ("qh", 2, 4), ("qs", 6, 16)),
+    "Q5_1": (("d", 0, 2), ("m", 2, 2), ("qh", 4, 4), ("qs", 8, 16)),
+    "Q8_0": (("d", 0, 2), ("qs", 2, 32)),
+    "IQ4_NL": (("d", 0, 2), ("qs", 2, 16)),
+    "MXFP4": (("e", 0, 1), ("qs", 1, 16)),
+    "Q4_K": (("dm", 0, 4), ("scales", 4, 12), ("qs", 16, 128)),
+    "Q5_K": (("dm", 0, 4), ("scales", 4, 12), ("qh", 16, 32), ("qs", 48, 128)),
+    "Q6_K": (("ql", 0, 128), ("qh", 128, 64), ("scales", 192, 16), ("d", 208, 2)),
+    "F16": (("w", 0, 2),),
+    "BF16": (("w", 0, 2),),
+    "F32": (("w", 0, 4),),
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    offset: int
+    row_stride: int
+    block_stride: int
+
+
+@dataclass
+class PackedWeight:
+    """A [N, K] matrix of one GGUF type on the device, in either layout."""
+
+    data: torch.Tensor  # uint8, the whole buffer
+    type_id: int
+    n: int
+    k: int
+    fields: tuple[Field, ...]
+    repacked: bool
+
+    @property
+    def type_name(self) -> str:
+        return spec_for(self.type_id).name
+
+    @property
+    def block_size(self) -> int:
+        return spec_for(self.type_id).block_size
+
+    def field_args(self) -> list[int]:
+        """offset, row_stride, block_stride of MAX_FIELDS fields, flattened (unused ones are zeros)."""
+        out: list[int] = []
+        for i in range(MAX_FIELDS):
+            f = self.fields[i] if i < len(self.fields) else Field(0, 0, 0)
+            out += [f.offset, f.row_stride, f.block_stride]
+        return out
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def canonical(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
+    """Wrap GGUF rows [n, row_bytes] (uint8, any device) without moving a byte."""
+    spec = spec_for(type_id)
+    row_bytes = k // spec.block_size * spec.type_size
+    raw = raw.reshape(n, row_bytes).contiguous()
+    fields = tuple(Field(off, row_bytes, spec.type_size) for _, off, _ in FIELDS[spec.name])
+    return PackedWeight(raw.reshape(-1), type_id, n, k, fields, repacked=False)
+
+
+def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
+    """Gather each field into its own aligned plane. Runs where `raw` is (the GPU at load)."""
+    spec = spec_for(type_id)
+    nblk = k // spec.block_size
+    blocks = raw.reshape(n, nblk, spec.type_size)
+    plan = []
+    total = 0
+    for _, off, size in FIELDS[spec.name]:
+        row_stride = _round_up(nblk * size, ALIGN)
+        plan.append((off, size, total, row_stride))
+        total += row_stride * n
+    data = torch.zeros(total, dtype=torch.uint8, device=raw.device)
+    fields = []
+    for off, size, start, row_stride in plan:
+        plane = data[start : start + row_stride * n].view(n, row_stride)
+        plane[:, : nblk * size] = blocks[:, :, off : off + size].reshape(n, nblk * size)
+        fields.append(Field(start, row_stride, size))
+    return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
+
+
+def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
+    """The GGUF rows [n, row_bytes] back from either layout (tests, and the torch reference path)."""
+    spec = spec_for(w.type_id)
+    nblk = w.k // spec.block_size
+    if not w.repacked:
+        return w.data.view(w.n, -1)
+    out = torch.empty(w.n, nblk, spec.type_size, dtype=torch.uint8, device=w.data.device)
+    for (_, off, size), f in zip(FIELDS[spec.name], w.fields, strict=True):
+        plane = w.data[f.offset : f.offset + f.row_stride * w.n].view(w.n, f.row_stride)
+        out[:, :, off : off + size] = plane[:, : nblk * size].reshape(w.n, nblk, size)
+    return out.view(w.n, -1)

@@ -1,0 +1,184 @@
+"""y[M, N] = x[M, K] @ W[N, K]^T for a quantized W, dequantized tile by tile in registers.
+
+Two kernels share the per-type tile dequantizers (tiles_*.py):
+  matvec  M <= 8 (decode, speculative verify). Each program owns BLOCK_N rows and one K split; the weight
+          tile is read once and multiplied by all M activation rows in f32 (FMA + row sums). Split-K
+          partials go to a [SPLIT_K, M, N] f32 buffer summed afterwards in fixed order (no atomics: the
+          result is the same on every run).
+  gemm    M > 8 (prefill). Tiles of W are dequantized, cast to the operand type (bf16/fp16, or f32 with
+          IEEE products for exact checks) and fed to tl.dot with f32 accumulation.
+Torch reference: `reference_matmul` (dequantize with the torch references, then x @ W^T in f64/f32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels.dequant import dequantize, spec_for
+from vegaserve.triton_kernels.layout import PackedWeight, unpack_to_canonical
+from vegaserve.triton_kernels.tiles_legacy import (
+    bf16_tile,
+    f16_tile,
+    f32_tile,
+    iq4_nl_tile,
+    q4_0_tile,
+    q4_1_tile,
+    q5_0_tile,
+    q5_1_tile,
+    q8_0_tile,
+)
+
+# ggml type ids (triton_kernels/dequant.py)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16 = 0, 1, 2, 3, 6, 7, 8, 20, 30
+SUPPORTED = {F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16}
+
+
+@triton.jit
+def dequant_tile(WTYPE: tl.constexpr, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk,
+                 BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    if WTYPE == 8:
+        w = q8_0_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 2:
+        w = q4_0_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 3:
+        w = q4_1_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 6:
+        w = q5_0_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 7:
+        w = q5_1_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 20:
+        w = iq4_nl_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 1:
+        w = f16_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 30:
+        w = bf16_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    else:
+        w = f32_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    return w
+
+
+@triton.jit
+def _matvec_kernel(
+    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields (layout.py)
+    N, K, blocks_per_split,  # sizes
+    stride_xm,  # strides
+    WTYPE: tl.constexpr, QK: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,  # meta
+    BLOCK_N: tl.constexpr, NB: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = tl.where(rmask, rows, 0).to(tl.int64)
+    n_blocks = K // QK
+    first = pid_k * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, n_blocks)
+    mcol = tl.arange(0, MP)
+    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+    for i in range(0, blocks_per_split, NB):
+        blk = first + i + tl.arange(0, NB)
+        bmask = blk < last
+        blk_safe = tl.where(bmask, blk, first)
+        w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk_safe, BLOCK_N, NB)
+        kk = tl.reshape(blk[:, None] * QK + tl.arange(0, QK)[None, :], [NB * QK])
+        kmask = tl.reshape(tl.broadcast_to(bmask[:, None], [NB, QK]), [NB * QK])
+        w = tl.where(kmask[None, :], w, 0.0)
+        for m in tl.static_range(M):
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+            s = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(mcol[None, :] == m, s[:, None], 0.0)
+    out = part_ptr + pid_k * M * N + mcol[None, :] * N + rows[:, None]
+    tl.store(out, acc, mask=rmask[:, None] & (mcol[None, :] < M))
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, y_ptr, base,  # pointers: activations [M, K], output [M, N], weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
+    M, N, K,  # sizes
+    stride_xm, stride_ym,  # strides
+    WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    DOT_F32: tl.constexpr,  # f32 operands with IEEE products (exact checks); else bf16/fp16 as x is
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = rows_m < M
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = tl.where(rmask, rows, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_blocks = K // QK
+    for b0_ in range(0, n_blocks, NB):
+        blk = b0_ + tl.arange(0, NB)
+        bmask = blk < n_blocks
+        w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask,
+                         tl.where(bmask, blk, 0), BLOCK_N, NB)
+        kk = tl.reshape(blk[:, None] * QK + tl.arange(0, QK)[None, :], [NB * QK])
+        kmask = tl.reshape(tl.broadcast_to(bmask[:, None], [NB, QK]), [NB * QK])
+        x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.where(kmask[None, :], w, 0.0)
+        if DOT_F32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    out = y_ptr + rows_m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+def _qk(type_id: int) -> int:
+    return spec_for(type_id).block_size
+
+
+def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1) -> torch.Tensor:
+    """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32."""
+    M, K = x.shape
+    if K != w.k or M > 8 or M < 1:
+        raise ValueError(f"matvec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+    if w.type_id not in SUPPORTED:
+        raise ValueError(f"no Triton kernel for {w.type_name} yet")
+    x = x.contiguous()
+    qk = _qk(w.type_id)
+    if qk == 1:  # float weights: a "block" is one element; tile NB elements
+        nb = max(nb * 32, 64)
+    n_blocks = K // qk
+    per_split = -(-n_blocks // split_k)
+    part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(w.n, block_n), split_k)
+    _matvec_kernel[grid](
+        x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
+        WTYPE=w.type_id, QK=qk, M=M, MP=max(triton.next_power_of_2(M), 2), BLOCK_N=block_n, NB=nb,
+    )
+    return part[0] if split_k == 1 else part.sum(0)
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype | None = None, block_m: int = 64,
+         block_n: int = 64, nb: int = 2, dot_f32: bool | None = None) -> torch.Tensor:
+    """x [M, K] -> y [M, N]; bf16/fp16 x runs tl.dot on that type, f32 x on IEEE f32 products."""
+    M, K = x.shape
+    if K != w.k:
+        raise ValueError(f"gemm: x has K={K}, the weight {w.k}")
+    if w.type_id not in SUPPORTED:
+        raise ValueError(f"no Triton kernel for {w.type_name} yet")
+    x = x.contiguous()
+    qk = _qk(w.type_id)
+    if qk == 1:
+        nb = max(nb * 32, 64)
+    dot_f32 = x.dtype == torch.float32 if dot_f32 is None else dot_f32
+    y = torch.empty(M, w.n, dtype=out_dtype or (torch.float32 if dot_f32 else x.dtype), device=x.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(w.n, block_n))
+    _gemm_kernel[grid](
+        x, y, w.data, *w.field_args(), M, w.n, K, x.stride(0), y.stride(0),
+        WTYPE=w.type_id, QK=qk, BLOCK_M=block_m, BLOCK_N=block_n, NB=nb, DOT_F32=dot_f32,
+    )
+    return y
+
+
+def reference_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """dequant(W) @ x in float64 with the torch reference dequantizers (the ground truth)."""
+    dense = dequantize(unpack_to_canonical(w).reshape(-1), w.type_id, (w.n, w.k))
+    return (x.double() @ dense.double().T)
