@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,10 @@ from types import ModuleType
 
 import pytest
 import torch
+
+# Triton kernels run under its interpreter on a machine without a GPU; it must be chosen before triton loads
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # llama.cpp's outputs on the embedded model: shared/ lies beside the checkout (here and in CI)

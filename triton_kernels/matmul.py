@@ -29,10 +29,13 @@ from vegaserve.triton_kernels.tiles_legacy import (
     q5_1_tile,
     q8_0_tile,
 )
+from vegaserve.triton_kernels.tiles_kquants import q4_k_tile, q5_k_tile, q6_k_tile
+from vegaserve.triton_kernels.tiles_mxfp4 import mxfp4_tile
 
 # ggml type ids (triton_kernels/dequant.py)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16 = 0, 1, 2, 3, 6, 7, 8, 20, 30
-SUPPORTED = {F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16}
+Q4_K, Q5_K, Q6_K, MXFP4 = 12, 13, 14, 39
+SUPPORTED = {F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16, Q4_K, Q5_K, Q6_K, MXFP4}
 
 
 @triton.jit
@@ -50,6 +53,14 @@ def dequant_tile(WTYPE: tl.constexpr, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, 
         w = q5_1_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 20:
         w = iq4_nl_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 12:
+        w = q4_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 13:
+        w = q5_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 14:
+        w = q6_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 39:
+        w = mxfp4_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 1:
         w = f16_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 30:
@@ -134,7 +145,8 @@ def _qk(type_id: int) -> int:
     return spec_for(type_id).block_size
 
 
-def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1) -> torch.Tensor:
+def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1,
+           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32."""
     M, K = x.shape
     if K != w.k or M > 8 or M < 1:
@@ -145,6 +157,7 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
     qk = _qk(w.type_id)
     if qk == 1:  # float weights: a "block" is one element; tile NB elements
         nb = max(nb * 32, 64)
+    nb = max(1, nb * 32 // qk) if qk > 32 else nb  # nb counts 32-element units: one super-block for K-quants
     n_blocks = K // qk
     per_split = -(-n_blocks // split_k)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
@@ -152,12 +165,14 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
     _matvec_kernel[grid](
         x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
         WTYPE=w.type_id, QK=qk, M=M, MP=max(triton.next_power_of_2(M), 2), BLOCK_N=block_n, NB=nb,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return part[0] if split_k == 1 else part.sum(0)
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype | None = None, block_m: int = 64,
-         block_n: int = 64, nb: int = 2, dot_f32: bool | None = None) -> torch.Tensor:
+         block_n: int = 64, nb: int = 2, dot_f32: bool | None = None, num_warps: int = 4,
+         num_stages: int = 2) -> torch.Tensor:
     """x [M, K] -> y [M, N]; bf16/fp16 x runs tl.dot on that type, f32 x on IEEE f32 products."""
     M, K = x.shape
     if K != w.k:
@@ -168,12 +183,14 @@ def gemm(x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype | None = None,
     qk = _qk(w.type_id)
     if qk == 1:
         nb = max(nb * 32, 64)
+    nb = max(1, nb * 32 // qk) if qk > 32 else nb  # one 256-wide super-block per tile for K-quants
     dot_f32 = x.dtype == torch.float32 if dot_f32 is None else dot_f32
     y = torch.empty(M, w.n, dtype=out_dtype or (torch.float32 if dot_f32 else x.dtype), device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(w.n, block_n))
     _gemm_kernel[grid](
         x, y, w.data, *w.field_args(), M, w.n, K, x.stride(0), y.stride(0),
         WTYPE=w.type_id, QK=qk, BLOCK_M=block_m, BLOCK_N=block_n, NB=nb, DOT_F32=dot_f32,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return y
 

@@ -29,12 +29,16 @@ class WeightSource:
     path: str
 
 
-def dequantize_source(src: WeightSource, expect_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def check_shape(src: WeightSource, expect_shape: tuple[int, ...]) -> None:
     if src.info.shape != expect_shape:
         raise ModelLoadError(
             f"{src.path}: tensor {src.info.name} ({src.info.type_name}) has shape {list(src.info.shape)}, "
             f"the model expects {list(expect_shape)}"
         )
+
+
+def dequantize_source(src: WeightSource, expect_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    check_shape(src, expect_shape)
     try:
         w = dequantize(src.raw, src.info.type_id, src.info.shape)
     except UnsupportedTypeError as e:
@@ -70,6 +74,54 @@ class ReferenceMethod(QuantMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+class TritonMethod(QuantMethod):
+    """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
+    --no-repack); Triton mat-vec for up to 8 rows, Triton GEMM with `gemm_dtype` operands above.
+
+    Stacked matrices of one type become one matrix (their rows concatenated: GGUF rows are independent),
+    so q/k/v and gate/up cost one launch each; mixed types run one matmul per type.
+    """
+
+    def __init__(self, repack: bool = True, gemm_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.repack = repack
+        self.gemm_dtype = gemm_dtype
+
+    def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
+        from vegaserve.triton_kernels import layout
+        from vegaserve.triton_kernels.matmul import SUPPORTED
+
+        device = layer.device
+        groups: list[tuple[int, list[torch.Tensor], int]] = []  # (type, raws, rows)
+        for src, rows in zip(sources, layer.output_sizes, strict=True):
+            check_shape(src, (rows, layer.in_features))
+            if groups and groups[-1][0] == src.info.type_id:
+                groups[-1][1].append(src.raw.reshape(rows, -1))
+                groups[-1] = (groups[-1][0], groups[-1][1], groups[-1][2] + rows)
+            else:
+                groups.append((src.info.type_id, [src.raw.reshape(rows, -1)], rows))
+        layer.packed = []
+        for type_id, raws, rows in groups:
+            if type_id not in SUPPORTED:
+                raise ModelLoadError(
+                    f"{sources[0].path}: no GPU kernel yet for {sources[0].info.type_name} "
+                    f"(tensor {sources[0].info.name}); run on the CPU with --device cpu"
+                )
+            raw = torch.cat(raws).to(device)
+            build = layout.repack if self.repack else layout.canonical
+            layer.packed.append(build(raw, type_id, rows, layer.in_features))
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        from vegaserve.triton_kernels.matmul import gemm, matvec
+
+        if x.shape[0] <= 8:
+            outs = [matvec(x, w) for w in layer.packed]
+        else:
+            xq = x.to(self.gemm_dtype)
+            outs = [gemm(xq, w, out_dtype=torch.float32) for w in layer.packed]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if layer.bias is None else y + layer.bias
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b); W may be several GGUF matrices stacked along the output rows."""
 
@@ -81,11 +133,14 @@ class QuantLinear(nn.Module):
         self.method = method
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
+        self.packed: list = []  # TritonMethod's PackedWeights
+        self.device = torch.device("cpu")
 
-    def load(self, sources: list[WeightSource], biases: list[torch.Tensor] | None = None) -> None:
+    def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:
+        self.device = device
         self.method.create(self, sources)
         if biases is not None:
-            self.bias = nn.Parameter(torch.cat(biases).to(self.weight.dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.cat(biases).float().to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)

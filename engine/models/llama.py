@@ -4,7 +4,7 @@
     h = embed(ids)
     for each layer:  h += o_proj(attn(rope(q), rope(k), v))   with q, k, v = qkv_proj(norm(h))
                      h += down(silu(gate(x)) * up(x))         with x = norm(h)
-    logits = lm_head(norm(h))                                 lm_head = embed^T when tied
+    logits = lm_head(norm(h))                                 lm_head reads token_embd when tied
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention
+from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.norm import RMSNorm
 from vegaserve.engine.layers.rotary import RotaryEmbedding
@@ -46,14 +47,14 @@ class DecoderLayer(nn.Module):
         biases = None
         if (p + "attn_q.bias") in w:
             biases = [w.vector(p + f"attn_{n}.bias", (size,)) for n, size in zip("qkv", self.split, strict=True)]
-        self.qkv.load([w.source(p + f"attn_{n}.weight") for n in "qkv"], biases)
-        self.o_proj.load([w.source(p + "attn_output.weight")])
+        self.qkv.load([w.source(p + f"attn_{n}.weight") for n in "qkv"], w.device, biases)
+        self.o_proj.load([w.source(p + "attn_output.weight")], w.device)
         if self.q_norm is not None:
             self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (self.head_dim,))
             self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (self.head_dim,))
         self.ffn_norm.weight.data = w.vector(p + "ffn_norm.weight", self.ffn_norm.weight.shape)
-        self.gate_up.load([w.source(p + "ffn_gate.weight"), w.source(p + "ffn_up.weight")])
-        self.down.load([w.source(p + "ffn_down.weight")])
+        self.gate_up.load([w.source(p + "ffn_gate.weight"), w.source(p + "ffn_up.weight")], w.device)
+        self.down.load([w.source(p + "ffn_down.weight")], w.device)
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         T = h.shape[0]
@@ -78,13 +79,13 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, method) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.embed: torch.Tensor | None = None
-        self.lm_head = None if cfg.tied_embeddings else QuantLinear(cfg.hidden_size, [cfg.vocab_size], method)
+        self.embed = QuantEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = QuantLinear(cfg.hidden_size, [cfg.vocab_size], method)
         self.rope: RotaryEmbedding | None = None
 
     def load(self, w: WeightLoader) -> None:
         cfg = self.cfg
-        self.embed = w.dense("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.embed.load(w.source("token_embd.weight"), w.device)
         freq_factors = w.vector("rope_freqs.weight", (cfg.rope_dim // 2,)) if "rope_freqs.weight" in w else None
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.rope_dim, cfg.rope_theta, self.max_positions, cfg.rope_scaling,
@@ -93,14 +94,13 @@ class LlamaModel(nn.Module):
         for layer in w.progress(self.layers):
             layer.load(w)
         self.norm.weight.data = w.vector("output_norm.weight", (cfg.hidden_size,))
-        if self.lm_head is not None:
-            self.lm_head.load([w.source("output.weight")])
+        # a tied head multiplies by the embedding table itself
+        self.lm_head.load([w.source("token_embd.weight" if cfg.tied_embeddings else "output.weight")], w.device)
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_rows), vocab] in f32."""
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed(batch.input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, cache, batch)
         h = self.norm(h[batch.logits_rows])
-        logits = F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
-        return logits.float()
+        return self.lm_head(h).float()

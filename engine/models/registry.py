@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
-from vegaserve.engine.layers.linear import ReferenceMethod
+from vegaserve.engine.layers.linear import QuantMethod, ReferenceMethod, TritonMethod
 from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_gguf
 from vegaserve.engine.models.llama import LlamaModel
 from vegaserve.engine.models.weights import WeightLoader
@@ -26,7 +26,14 @@ class LoadedModel:
     gguf: GGUFFile
 
 
-def load_model(gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True) -> LoadedModel:
+def quant_method_for(device: torch.device, repack: bool) -> QuantMethod:
+    """CPU: the torch references (dequantize once, f32 matmul); GPU: the Triton kernels on GGUF bytes."""
+    return ReferenceMethod(torch.float32) if device.type == "cpu" else TritonMethod(repack=repack)
+
+
+def load_model(
+    gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True
+) -> LoadedModel:
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
     if cls is None:
@@ -34,8 +41,8 @@ def load_model(gguf: GGUFFile, device: torch.device, max_positions: int, show_pr
             f"{gguf.path}: unknown architecture {arch_name!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
-    dtype = torch.float32  # CPU reference path; GPU quant methods keep their own storage
-    model = cls(arch, ReferenceMethod(dtype), max_positions)
+    dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
+    model = cls(arch, quant_method_for(device, repack), max_positions)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

@@ -1,0 +1,93 @@
+"""Quantized mat-vec and GEMM kernels against dequant(W) @ x of the torch references (float64).
+
+Every type the kernels serve x both layouts x {mat-vec at 1, 3 and 8 rows, GEMM with f32 operands, GEMM
+with fp16 operands}; odd N so the last row tile is partial. Runs under TRITON_INTERPRET=1 on a CPU (tests/
+conftest.py) and natively where a GPU exists. bf16 operands only on a GPU: Triton's CPU interpreter has no
+bf16 (numpy lacks the type).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
+from vegaserve.triton_kernels.matmul import SUPPORTED, gemm, matvec, reference_matmul
+from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16", "F32"]
+TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "output has non-finite values (unwritten or broken)"
+    return float((y.double().cpu() - ref.cpu()).norm() / ref.norm())
+
+
+def make(type_name: str, n: int, k: int, layout, seed: int):
+    tid = TYPE_IDS[type_name]
+    gen = torch.Generator().manual_seed(seed)
+    raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, gen).to(DEVICE)
+    return layout(raw, tid, n, k), torch.Generator().manual_seed(seed + 1)
+
+
+@pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_matvec_matches_reference(type_name, layout):
+    w, gen = make(type_name, 37, 96, layout, 1)
+    for m in (1, 3, 8):
+        x = torch.randn(m, 96, generator=gen).to(DEVICE)
+        assert rel_err(matvec(x, w, block_n=16, nb=1), reference_matmul(x.cpu(), _cpu(w))) < 1e-5
+
+
+@pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_gemm_matches_reference_f32_and_fp16_operands(type_name, layout):
+    w, gen = make(type_name, 37, 96, layout, 2)
+    x = torch.randn(17, 96, generator=gen).to(DEVICE)
+    ref = reference_matmul(x.cpu(), _cpu(w))
+    assert rel_err(gemm(x, w, block_m=16, block_n=16, nb=1), ref) < 1e-5
+    assert rel_err(gemm(x.half(), w, out_dtype=torch.float32, block_m=16, block_n=16, nb=1), ref) < 3e-3
+
+
+def test_split_k_matvec_equals_unsplit():
+    w, gen = make("Q4_0", 40, 320, repack, 3)
+    x = torch.randn(2, 320, generator=gen).to(DEVICE)
+    ref = reference_matmul(x.cpu(), _cpu(w))
+    assert rel_err(matvec(x, w, block_n=16, nb=1, split_k=3), ref) < 1e-5
+
+
+def test_repack_round_trips_and_keeps_size_within_one_percent():
+    for name in LEGACY:
+        tid = TYPE_IDS[name]
+        gen = torch.Generator().manual_seed(4)
+        n, k = 64, 4096
+        raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, gen)
+        w = repack(raw, tid, n, k)
+        assert torch.equal(unpack_to_canonical(w), raw)
+        assert w.data.numel() <= raw.numel() * 1.01
+        for f in w.fields:
+            assert f.offset % 16 == 0 and f.row_stride % 16 == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 operands need a GPU (the interpreter has no bf16)")
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_gemm_bf16_operands_on_gpu(type_name):
+    w, gen = make(type_name, 37, 96, repack, 5)
+    x = torch.randn(17, 96, generator=gen).to(DEVICE)
+    assert rel_err(gemm(x.bfloat16(), w, out_dtype=torch.float32, block_m=16, block_n=16, nb=1),
+                   reference_matmul(x.cpu(), _cpu(w))) < 3e-3
+
+
+def test_every_served_legacy_type_has_a_kernel():
+    assert {TYPE_IDS[n] for n in LEGACY} <= SUPPORTED
+
+
+def _cpu(w):
+    """The same weight with its buffer on the CPU (the reference dequantizes there)."""
+    from dataclasses import replace
+
+    return replace(w, data=w.data.cpu())
