@@ -18,7 +18,7 @@ import triton
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import gemm, matvec
+from vegaserve.triton_kernels.matmul import dense_gemm, gemm, matvec
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 LLAMA3_8B = ["4096x4096", "6144x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096"]
@@ -44,9 +44,11 @@ def make_weight(type_name: str, n: int, k: int, layout):
     return layout(raw, tid, n, k), raw.numel()
 
 
-def run_op(x, w, m, cfg):
-    if m <= 8:
+def run_op(x, w, path, cfg, scratch=None):
+    if path == "matvec":
         return lambda: matvec(x, w, **cfg)
+    if path == "dense":  # dequantize into a scratch buffer, then the vendor GEMM
+        return lambda: dense_gemm(x, w, scratch)
     return lambda: gemm(x, w, out_dtype=torch.bfloat16, **cfg)
 
 
@@ -63,7 +65,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB, read + write)")
     sweep = json.loads(args.sweep) if args.sweep else None
-    print(f"{'type':7s} {'shape':>12s} {'M':>5s} {'layout':9s} {'ms':>8s} {'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'cuBLAS':>7s} {'%cb':>5s} {'relerr':>8s} cfg")
+    print(f"{'type':7s} {'shape':>12s} {'M':>5s} {'lay/path':10s} {'ms':>8s} {'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'cuBLAS':>7s} {'%cb':>5s} {'relerr':>8s} cfg")
     for type_name in args.types.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -72,28 +74,29 @@ def main() -> None:
             for lname, layout in layouts:
                 w, nbytes = make_weight(type_name, n, k, layout)
                 w_dense = dequantize(unpack_to_canonical(w).reshape(-1), w.type_id, (n, k))
+                scratch = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
                 for m in (int(v) for v in args.ms.split(",")):
                     x = torch.randn(m, k, device="cuda", dtype=torch.float32 if m <= 8 else torch.bfloat16)
-                    configs = sweep or [{}]
-                    best = min(((bench(run_op(x, w, m, c)), c) for c in configs), key=lambda t: t[0])
-                    t, cfg = best
                     xb = x.to(torch.bfloat16)
                     t_cublas = bench(lambda: xb @ dense.T)
-                    flops = 2 * m * n * k
-                    ref = x[:8].float() @ w_dense.T  # f32 on the GPU (TF32 off): reference dequantizer
-                    y = run_op(x, w, m, cfg)()[:8].float()
-                    err = float((y - ref).norm() / ref.norm())
-                    row = {
-                        "type": type_name, "n": n, "k": k, "m": m, "layout": lname, "ms": t,
-                        "weight_GBps": nbytes / (t * 1e-3) / 1e9, "bw_frac": nbytes / (t * 1e-3) / bw,
-                        "tflops": flops / (t * 1e-3) / 1e12, "cublas_tflops": flops / (t_cublas * 1e-3) / 1e12,
-                        "cublas_frac": t_cublas / t, "rel_err": err, "cfg": cfg, "copy_TBps": bw / 1e12,
-                    }
-                    print(f"{type_name:7s} {shape:>12s} {m:5d} {lname:9s} {t:8.4f} {row['weight_GBps']:7.0f} "
-                          f"{100 * row['bw_frac']:5.1f} {row['tflops']:8.1f} {row['cublas_tflops']:7.1f} "
-                          f"{100 * row['cublas_frac']:5.1f} {err:8.1e} {cfg}")
-                    print("JSON " + json.dumps(row), file=sys.stderr)
-                del w, w_dense
+                    for path in (["matvec"] if m <= 8 else ["triton", "dense"]):
+                        configs = (sweep or [{}]) if path != "dense" else [{}]
+                        t, cfg = min(((bench(run_op(x, w, path, c, scratch)), c) for c in configs), key=lambda r: r[0])
+                        flops = 2 * m * n * k
+                        ref = x[:8].float() @ w_dense.T  # f32 on the GPU (TF32 off): reference dequantizer
+                        y = run_op(x, w, path, cfg, scratch)()[:8].float()
+                        err = float((y - ref).norm() / ref.norm())
+                        row = {
+                            "type": type_name, "n": n, "k": k, "m": m, "layout": lname, "path": path, "ms": t,
+                            "weight_GBps": nbytes / (t * 1e-3) / 1e9, "bw_frac": nbytes / (t * 1e-3) / bw,
+                            "tflops": flops / (t * 1e-3) / 1e12, "cublas_tflops": flops / (t_cublas * 1e-3) / 1e12,
+                            "cublas_frac": t_cublas / t, "rel_err": err, "cfg": cfg, "copy_TBps": bw / 1e12,
+                        }
+                        print(f"{type_name:7s} {shape:>12s} {m:5d} {lname[:3]}/{path:6s} {t:8.4f} {row['weight_GBps']:7.0f} "
+                              f"{100 * row['bw_frac']:5.1f} {row['tflops']:8.1f} {row['cublas_tflops']:7.1f} "
+                              f"{100 * row['cublas_frac']:5.1f} {err:8.1e} {cfg}")
+                        print("JSON " + json.dumps(row), file=sys.stderr)
+                del w, w_dense, scratch
             del dense
             torch.cuda.empty_cache()
 

@@ -1,7 +1,10 @@
 """From a validated OpenAI request to the engine's GenerateRequest: prompt token ids + SamplingParams.
 
 Everything that can be refused before the engine sees the request is refused here with a message that
-names the field: the model name, token ids outside the vocabulary, a prompt that does not fit the context.
+names the field: the model name, token ids outside the vocabulary, a prompt that fills the context.
+A max_tokens larger than the room the prompt leaves is clamped to that room (llama-server and vLLM's
+behaviour; clients routinely send one fixed max_tokens whatever the prompt), and the request finishes
+with finish_reason "length" when the context is full.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams for a prompt of `prompt_len` tokens; max_tokens None means "up to the context"."""
+    """SamplingParams for a prompt of `prompt_len` tokens; max_tokens None, or more than the context has
+    room for, means "up to the context"."""
     limit = engine.max_model_len
     if prompt_len >= limit:
         raise ContextLengthError(
@@ -77,8 +81,10 @@ def sampling_params(
     check_token_ids(engine, list(bias), "logit_bias")
     stop_ids = list(request.stop_token_ids or ())
     check_token_ids(engine, stop_ids, "stop_token_ids")
-    params = SamplingParams(  # validates the ranges, raising InvalidRequestError (a 400)
-        max_tokens=max_tokens if max_tokens is not None else limit - prompt_len,
+    room = limit - prompt_len
+    return SamplingParams(  # validates the ranges, raising InvalidRequestError (a 400)
+        # min() leaves a max_tokens below 1 as sent, so the range check names the client's own value.
+        max_tokens=room if max_tokens is None else min(max_tokens, room),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_k=request.top_k or 0,
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -94,14 +100,6 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-    assert params.max_tokens is not None
-    if prompt_len + params.max_tokens > limit:
-        raise ContextLengthError(
-            f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}, together "
-            f"{prompt_len + params.max_tokens} tokens, more than the model's context of {limit} tokens; "
-            "lower max_tokens or shorten the prompt"
-        )
-    return params
 
 
 def chat_sampling_params(engine: EngineClient, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:

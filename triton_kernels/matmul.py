@@ -79,28 +79,34 @@ def _matvec_kernel(
     WTYPE: tl.constexpr, QK: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,  # meta
     BLOCK_N: tl.constexpr, NB: tl.constexpr,
 ):
+    # The launcher makes NB divide both the block count and blocks_per_split, so every tile is whole.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
-    n_blocks = K // QK
     first = pid_k * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, n_blocks)
+    n_iter = (tl.minimum(first + blocks_per_split, K // QK) - first) // NB
     mcol = tl.arange(0, MP)
-    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
-    for i in range(0, blocks_per_split, NB):
-        blk = first + i + tl.arange(0, NB)
-        bmask = blk < last
-        blk_safe = tl.where(bmask, blk, first)
-        w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk_safe, BLOCK_N, NB)
-        kk = tl.reshape(blk[:, None] * QK + tl.arange(0, QK)[None, :], [NB * QK])
-        kmask = tl.reshape(tl.broadcast_to(bmask[:, None], [NB, QK]), [NB * QK])
-        w = tl.where(kmask[None, :], w, 0.0)
-        for m in tl.static_range(M):
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
-            s = tl.sum(w * x[None, :], axis=1)
-            acc += tl.where(mcol[None, :] == m, s[:, None], 0.0)
+    if M == 1:
+        # one activation row: accumulate elementwise and reduce across k once, after the loop
+        acc1 = tl.zeros([BLOCK_N, NB * QK], dtype=tl.float32)
+        for i in range(0, n_iter):
+            blk = first + i * NB + tl.arange(0, NB)
+            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+            x = tl.load(x_ptr + (first + i * NB) * QK + tl.arange(0, NB * QK)).to(tl.float32)
+            acc1 += w * x[None, :]
+        acc = tl.where(mcol[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
+    else:
+        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+        for i in range(0, n_iter):
+            blk = first + i * NB + tl.arange(0, NB)
+            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+            kk = (first + i * NB) * QK + tl.arange(0, NB * QK)
+            for m in tl.static_range(M):
+                x = tl.load(x_ptr + m * stride_xm + kk).to(tl.float32)
+                s = tl.sum(w * x[None, :], axis=1)
+                acc += tl.where(mcol[None, :] == m, s[:, None], 0.0)
     out = part_ptr + pid_k * M * N + mcol[None, :] * N + rows[:, None]
     tl.store(out, acc, mask=rmask[:, None] & (mcol[None, :] < M))
 
@@ -141,8 +147,56 @@ def _gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
 
+@triton.jit
+def _dequant_kernel(
+    out_ptr, base,  # pointers: dense output [N, K] (bf16/fp16/f32), weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
+    N, K,  # sizes
+    WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = tl.where(rmask, rows, 0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+    k = tl.program_id(1) * NB * QK + tl.arange(0, NB * QK)
+    tl.store(out_ptr + rows64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def dequantize_dense(w: PackedWeight, out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                     block_n: int = 16, nb: int = 8, num_warps: int = 4) -> torch.Tensor:
+    """W as a dense [N, K] matrix on its device: the scratch operand of the vendor GEMM for long prompts."""
+    qk = _qk(w.type_id)
+    if qk == 1:
+        nb = max(nb * 32, 64)
+    nb = max(1, nb * 32 // qk) if qk > 32 else nb
+    nb = _divisor_at_most(w.k // qk, nb)
+    if out is None:
+        out = torch.empty(w.n, w.k, dtype=dtype, device=w.data.device)
+    grid = (triton.cdiv(w.n, block_n), w.k // qk // nb)
+    _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb,
+                          num_warps=num_warps)
+    return out
+
+
+def dense_gemm(x: torch.Tensor, w: PackedWeight, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Long prompts: dequantize W into `scratch` (x's dtype) and call the vendor GEMM (cuBLAS / hipBLAS)."""
+    n_el = w.n * w.k
+    buf = scratch[:n_el].view(w.n, w.k) if scratch is not None and scratch.numel() >= n_el else None
+    dense = dequantize_dense(w, out=buf, dtype=x.dtype)
+    return x @ dense.T
+
+
 def _qk(type_id: int) -> int:
     return spec_for(type_id).block_size
+
+
+def _divisor_at_most(n: int, want: int) -> int:
+    """The largest power of two <= want that divides n (tiles never straddle the end of a row)."""
+    d = 1
+    while d * 2 <= want and n % (d * 2) == 0:
+        d *= 2
+    return d
 
 
 def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1,
@@ -159,7 +213,9 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb  # nb counts 32-element units: one super-block for K-quants
     n_blocks = K // qk
-    per_split = -(-n_blocks // split_k)
+    nb = _divisor_at_most(n_blocks, nb)
+    per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
+    split_k = -(-n_blocks // per_split)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.n, block_n), split_k)
     _matvec_kernel[grid](

@@ -79,11 +79,29 @@ def test_max_tokens_cuts_the_reply_with_finish_reason_length(client, engine, fak
     assert body["usage"]["completion_tokens"] == 2
 
 
-def test_prompt_plus_max_tokens_over_context_is_a_400_naming_both_numbers(client, engine):
-    response = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": engine.max_model_len})
+@pytest.mark.parametrize("over", [1, 10**12])
+def test_max_tokens_beyond_the_context_is_clamped_to_the_room_left(client, engine, over):
+    response = client.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": engine.max_model_len + over, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    request = engine.requests[0]
+    room = engine.max_model_len - len(request.prompt_token_ids)
+    assert request.params.max_tokens == room
+    assert response.json()["usage"]["completion_tokens"] == room
+
+
+def test_max_tokens_within_the_room_is_kept_as_sent(client, engine):
+    client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 7})
+    assert engine.requests[0].params.max_tokens == 7
+
+
+def test_prompt_that_fills_the_context_is_still_a_400_naming_both_numbers(client, engine):
+    # Clamping cannot help a prompt that leaves no room at all; the client must shorten it.
+    messages = [{"role": "user", "content": "x" * engine.max_model_len}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert response.status_code == 400
     error = response.json()["error"]
-    prompt_len = len(engine.tokenizer.encode(engine.chat_template.render(MESSAGES), add_special_tokens=False))
+    prompt_len = len(engine.tokenizer.encode(engine.chat_template.render(messages), add_special_tokens=False))
     assert error["code"] == "context_length_exceeded"
     assert str(prompt_len) in error["message"] and str(engine.max_model_len) in error["message"]
     assert not engine.requests  # refused before reaching the engine

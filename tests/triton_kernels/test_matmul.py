@@ -91,3 +91,16 @@ def _cpu(w):
     from dataclasses import replace
 
     return replace(w, data=w.data.cpu())
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "IQ4_NL", "F16"])
+def test_dequantize_dense_equals_reference_dequantizer(type_name):
+    from vegaserve.triton_kernels.dequant import dequantize
+    from vegaserve.triton_kernels.matmul import dense_gemm, dequantize_dense
+
+    w, gen = make(type_name, 37, 96, repack, 6)
+    ref = dequantize(unpack_to_canonical(_cpu(w)).reshape(-1), w.type_id, (37, 96))
+    dense = dequantize_dense(w, dtype=torch.float32, block_n=16, nb=1)
+    assert torch.equal(dense.cpu(), ref)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE)
+    assert rel_err(dense_gemm(x, w), reference_matmul(x.cpu(), _cpu(w))) < 1e-5
