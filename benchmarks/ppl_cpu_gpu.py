@@ -41,7 +41,7 @@ def main() -> None:
     cpu = measure(args.model, "cpu", text, args.ctx, args.chunks)
     gpu = measure(args.model, "cuda", text, args.ctx, args.chunks)
     orig = TritonMethod.__init__.__defaults__
-    TritonMethod.__init__.__defaults__ = (True, torch.float32)  # f32 GEMM operands (IEEE products)
+    TritonMethod.__init__.__defaults__ = (True, torch.float32, None)  # f32 scratch and GEMM operands
     gpu32 = measure(args.model, "cuda", text, args.ctx, args.chunks)
     TritonMethod.__init__.__defaults__ = orig
     out = {

@@ -53,7 +53,10 @@ class EngineCore:
         trained = int(self.gguf.metadata.get(f"{self.gguf.architecture}.context_length", 0) or 0)
         self.max_model_len = config.cache.context_size or trained or 4096
         self.device = pick_device(config.device)
-        loaded = load_model(self.gguf, self.device, self.max_model_len, show_progress, repack=not config.model.no_repack)
+        loaded = load_model(
+            self.gguf, self.device, self.max_model_len, show_progress,
+            repack=not config.model.no_repack, tuning_file=config.kernels.tuning_file,
+        )
         self.arch = loaded.arch
         n_slots = config.scheduler.max_num_seqs
         self.runner = ModelRunner(loaded, n_slots, self.max_model_len, self.device)

@@ -207,6 +207,10 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
         raise ValueError(f"matvec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
     if w.type_id not in SUPPORTED:
         raise ValueError(f"no Triton kernel for {w.type_name} yet")
+    if block_n < 8:
+        # Triton 3.6 on an H200 returned wrong sums for BLOCK_N 2 and 4 (the interpreter was right);
+        # docs/PERF.md, 2026-12-02
+        raise ValueError(f"matvec block_n must be at least 8, got {block_n}")
     x = x.contiguous()
     qk = _qk(w.type_id)
     if qk == 1:  # float weights: a "block" is one element; tile NB elements

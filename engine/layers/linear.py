@@ -76,15 +76,21 @@ class ReferenceMethod(QuantMethod):
 
 class TritonMethod(QuantMethod):
     """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
-    --no-repack); Triton mat-vec for up to 8 rows, Triton GEMM with `gemm_dtype` operands above.
+    --no-repack); Triton mat-vec for up to 8 rows; above that (the tuning file's `dense_from_m`), the
+    matrix is dequantized into a scratch buffer and multiplied by the vendor GEMM.
 
     Stacked matrices of one type become one matrix (their rows concatenated: GGUF rows are independent),
     so q/k/v and gate/up cost one launch each; mixed types run one matmul per type.
     """
 
-    def __init__(self, repack: bool = True, gemm_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, repack: bool = True, gemm_dtype: torch.dtype | None = None, tuning_file: str | None = None) -> None:
+        from vegaserve.triton_kernels.tuning import load_tuning
+
         self.repack = repack
-        self.gemm_dtype = gemm_dtype
+        self.tuning = load_tuning(path=tuning_file)
+        # long prompts: the vendor GEMM on a dequantized copy, in the target's best operand type
+        self.gemm_dtype = gemm_dtype or getattr(torch, self.tuning.scratch_dtype)
+        self.scratch: torch.Tensor | None = None  # one buffer for the largest matrix, shared by all layers
 
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
@@ -95,8 +101,7 @@ class TritonMethod(QuantMethod):
         for src, rows in zip(sources, layer.output_sizes, strict=True):
             check_shape(src, (rows, layer.in_features))
             if groups and groups[-1][0] == src.info.type_id:
-                groups[-1][1].append(src.raw.reshape(rows, -1))
-                groups[-1] = (groups[-1][0], groups[-1][1], groups[-1][2] + rows)
+                groups[-1] = (groups[-1][0], groups[-1][1] + [src.raw.reshape(rows, -1)], groups[-1][2] + rows)
             else:
                 groups.append((src.info.type_id, [src.raw.reshape(rows, -1)], rows))
         layer.packed = []
@@ -108,16 +113,22 @@ class TritonMethod(QuantMethod):
                 )
             raw = torch.cat(raws).to(device)
             build = layout.repack if self.repack else layout.canonical
-            layer.packed.append(build(raw, type_id, rows, layer.in_features))
+            w = build(raw, type_id, rows, layer.in_features)
+            layer.packed.append(w)
+            # launch parameters for 1..8 rows, looked up once here, not per token
+            layer.tuned.append([self.tuning.matvec(w.type_name, w.n, w.k, m) for m in range(1, 9)])
+            if self.scratch is None or self.scratch.numel() < w.n * w.k:
+                self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        from vegaserve.triton_kernels.matmul import gemm, matvec
+        from vegaserve.triton_kernels.matmul import dense_gemm, matvec
 
-        if x.shape[0] <= 8:
-            outs = [matvec(x, w) for w in layer.packed]
+        m = x.shape[0]
+        if m < self.tuning.dense_from_m and m <= 8:
+            outs = [matvec(x, w, **cfg[m - 1]) for w, cfg in zip(layer.packed, layer.tuned, strict=True)]
         else:
             xq = x.to(self.gemm_dtype)
-            outs = [gemm(xq, w, out_dtype=torch.float32) for w in layer.packed]
+            outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if layer.bias is None else y + layer.bias
 
@@ -134,6 +145,7 @@ class QuantLinear(nn.Module):
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
         self.packed: list = []  # TritonMethod's PackedWeights
+        self.tuned: list = []  # and their launch parameters for 1..8 rows
         self.device = torch.device("cpu")
 
     def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:

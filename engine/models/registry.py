@@ -26,13 +26,14 @@ class LoadedModel:
     gguf: GGUFFile
 
 
-def quant_method_for(device: torch.device, repack: bool) -> QuantMethod:
+def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None = None) -> QuantMethod:
     """CPU: the torch references (dequantize once, f32 matmul); GPU: the Triton kernels on GGUF bytes."""
-    return ReferenceMethod(torch.float32) if device.type == "cpu" else TritonMethod(repack=repack)
+    return ReferenceMethod(torch.float32) if device.type == "cpu" else TritonMethod(repack=repack, tuning_file=tuning_file)
 
 
 def load_model(
-    gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True
+    gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
+    tuning_file: str | None = None,
 ) -> LoadedModel:
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
@@ -42,7 +43,7 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack), max_positions)
+    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()
