@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vegaserve.engine.chat_template import ChatTemplate
-from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.config import ConfigError, EngineConfig
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
 from vegaserve.engine.model_runner import ModelRunner, StepOutput
 from vegaserve.engine.models.registry import load_model
@@ -42,6 +42,11 @@ class _Counters:
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
+        if config.parallel.split_mode != "none":
+            raise ConfigError(
+                f"-sm {config.parallel.split_mode}: the multi-GPU executor is not implemented yet; "
+                "run one GPU (no -sm) for now"
+            )
         path = config.model.path or default_model_path()
         t0 = time.monotonic()
         self.gguf = GGUFFile(path, config.model.load_mode)

@@ -97,3 +97,13 @@ def test_seeded_sampling_repeats(smollm2_core):
     a = run(smollm2_core, prompt(smollm2_core), max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)[2]
     b = run(smollm2_core, prompt(smollm2_core), max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)[2]
     assert a == b
+
+
+def test_a_split_mode_is_refused_until_the_multi_gpu_executor_exists():
+    import pytest
+
+    from vegaserve.engine.config import ConfigError, EngineConfig
+    from vegaserve.engine.engine_core import EngineCore
+
+    with pytest.raises(ConfigError, match="multi-GPU executor is not implemented"):
+        EngineCore(EngineConfig.from_dict({"parallel": {"split_mode": "tensor"}}), show_progress=False)
