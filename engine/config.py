@@ -97,9 +97,12 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
+    drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        _require(self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,13 @@ class EngineDeadError(EngineError):
     """The engine stopped and serves nothing more (HTTP 503)."""
 
 
+# The sampler computes in float32: logits / temperature, and logits / or * the repetition penalty. Past
+# these bounds a logit (|x| <= ~1e4 with logit_bias) can become inf, the draw NaN and the token id out of
+# range (found by fuzzing: temperature 1e-310, penalty 1e-300). Below 1e-5 a temperature is argmax anyway.
+MIN_TEMPERATURE = 1e-5
+PENALTY_RANGE = (1e-6, 1e6)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated at construction."""
@@ -63,10 +70,15 @@ class SamplingParams:
 
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        check(
+            not 0.0 < self.temperature < MIN_TEMPERATURE,
+            f"temperature {self.temperature} is too small to sample with: use 0 for greedy, or at least {MIN_TEMPERATURE}",
+        )
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}")
-        check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        low, high = PENALTY_RANGE
+        check(low <= self.repetition_penalty <= high, f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         for n, what in ((self.logprobs, "logprobs"), (self.prompt_logprobs, "prompt_logprobs")):

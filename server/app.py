@@ -12,12 +12,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vegaserve.engine.protocol import EngineClient
-from vegaserve.server.body import json_response, parse_body
+from vegaserve.server.body import json_response, openapi_body, parse_body
 from vegaserve.server.chat import create_chat_completion
 from vegaserve.server.completions import create_completion
 from vegaserve.server.errors import ApiError, CatchAllMiddleware, install_error_handlers
 from vegaserve.server.metrics import ServerMetrics
-from vegaserve.server.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
+from vegaserve.server.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    Drain,
+    DrainMiddleware,
+)
 from vegaserve.server.preprocess import check_token_ids
 from vegaserve.server.protocol import (
     ChatCompletionRequest,
@@ -40,21 +46,24 @@ def create_app(
     started = int(time.time())
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.drain = Drain()  # serve_cmd closes it on SIGTERM
 
     install_error_handlers(app)
-    # add_middleware wraps what is there, so the last added runs first: errors outermost, so it also
-    # catches failures of the key check and the size limit.
+    # add_middleware wraps what is there, so the last added runs first: the drain gate outermost, so a
+    # request counts until its error response too is sent; then errors, so that also catches failures
+    # of the key check and the size limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await create_chat_completion(engine, metrics, request, body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         return await create_completion(engine, metrics, request, body)
@@ -75,7 +84,7 @@ def create_app(
         content, content_type = metrics.render()
         return Response(content, media_type=content_type)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest)
         ids = engine.tokenizer.encode(body.content, add_special_tokens=body.add_special, parse_special=True)
@@ -84,7 +93,7 @@ def create_app(
             tokens = [TokenPiece(id=t, piece=_piece(engine, t)) for t in ids]
         return json_response(TokenizeResponse(tokens=tokens))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest)
         check_token_ids(engine, body.tokens, "tokens")

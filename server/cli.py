@@ -34,6 +34,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "port": ("server", "port"),
     "api_key": ("server", "api_key"),
     "log_level": ("server", "log_level"),
+    "drain_timeout": ("server", "drain_timeout_s"),
     "device": (None, "device"),
     "seed": (None, "seed"),
 }
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-md", "--model-draft", help="draft model GGUF for --spec-type draft")
     g.add_argument("--draft-max", type=int, help="draft tokens per step")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get to finish after SIGTERM (default 30)")
 
     ppl = sub.add_parser("perplexity", help="llama-perplexity's measurement on a text file")
     _model_flags(ppl)

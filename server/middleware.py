@@ -1,12 +1,13 @@
-"""ASGI middleware in front of every route: the API key check and the request body size limit.
+"""ASGI middleware in front of every route: the drain gate, the API key check and the body size limit.
 
-Both are plain ASGI (not Starlette's BaseHTTPMiddleware) so they do not buffer or re-wrap streaming
+All are plain ASGI (not Starlette's BaseHTTPMiddleware) so they do not buffer or re-wrap streaming
 responses, and a client disconnect still reaches the route's `receive`.
 """
 
 from __future__ import annotations
 
 import hmac
+import threading
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -77,3 +78,68 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+class Drain:
+    """Requests in flight, and whether new ones are still taken; shared by the event loop that counts and
+    the thread that waits (serve_cmd's shutdown).
+
+    A request counts from its first byte in until its last byte out, so a stream is in flight until it
+    ends. Once `close()` is called, new requests are refused with a 503 while those in flight finish.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+
+    def enter(self) -> bool:
+        """Counts a new request in; False once closed (then the request is not counted)."""
+        with self._changed:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._changed:
+            self._active -= 1
+            self._changed.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Blocks until no request is in flight or `timeout` seconds passed; True when idle."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._active == 0, timeout)
+
+
+class DrainMiddleware:
+    """Counts requests through `drain`, and answers 503 to new ones once it is closed."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self.drain.enter():
+            err = ApiError(503, "the server is shutting down; retry on another instance",
+                           type="service_unavailable_error", code="shutting_down")
+            # Connection: close, so a keep-alive client does not send its next request to us either.
+            response = err.response()
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()

@@ -48,6 +48,7 @@ class TinySpec:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, float | str] = field(default_factory=dict)  # e.g. {"type": "linear", "factor": 2.0}
     seed: int = 0
+    chat_template: str | None = None  # None: SmolLM2's
 
 
 def _type_id(name: str) -> int:
@@ -86,7 +87,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
     w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(md["tokenizer.chat_template"])
+    w.add_chat_template(md["tokenizer.chat_template"] if spec.chat_template is None else spec.chat_template)
 
     def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
         tid = _type_id(type_name)
