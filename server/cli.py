@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(ppl)
     ppl.add_argument("-f", "--file", required=True, type=Path, help="text file to score")
     ppl.add_argument("--chunks", type=int, help="score at most this many chunks")
+
+    tune = sub.add_parser("tune", help="measure kernel launch parameters on this GPU; writes configs/kernels/<target>.json")
+    tune.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,MXFP4")
+    tune.add_argument("--classes", default="small,medium,large", help="shape classes to measure")
+    tune.add_argument("--rows", default="1,2,4,8", help="activation row counts (mat-vec)")
+    tune.add_argument("--out", type=Path, help="file to write (default: configs/kernels/<target>.json)")
     return parser
 
 
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         level=(getattr(args, "log_level", None) or "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.threads:
+    if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
@@ -128,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args)
+        if args.command == "tune":
+            from vegaserve.triton_kernels.tune import tune
+
+            try:
+                out = tune(args.types.split(","), args.classes.split(","), [int(r) for r in args.rows.split(",")], args.out)
+            except (RuntimeError, ValueError, KeyError) as e:
+                print(f"vegaserve tune: error: {e}", file=sys.stderr)
+                return 2
+            print(f"wrote {out}")
+            return 0
         if args.command == "perplexity":
             from vegaserve.server.perplexity_cmd import run_perplexity
 

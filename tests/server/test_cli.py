@@ -217,3 +217,17 @@ def test_perplexity_prints_a_finite_final_estimate(
     ppl, err = float(m[1]), float(m[2])
     assert math.isfinite(ppl) and ppl > 1  # random weights: large, but a number
     assert math.isfinite(err) and err >= 0
+
+
+def test_tune_without_a_gpu_is_one_clear_error(capsys):
+    import torch
+
+    from vegaserve.server.cli import main
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has a GPU: tune would run")
+    assert main(["tune", "--types", "Q8_0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vegaserve tune: error: vegaserve tune needs a GPU"]
