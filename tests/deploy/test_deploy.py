@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -444,3 +445,20 @@ def test_server_exports_every_metric_the_dashboard_requires(exported):
     # every panel the issue names must be backed by a metric the server exports
     missing = sorted(n for names in REQUIRED.values() for n in names if n not in exported)
     assert not missing, f"the server does not export {missing}"
+
+
+def test_compose_file_validates_with_docker_compose(monkeypatch):
+    import shutil
+    import subprocess
+
+    compose = shutil.which("docker-compose")
+    cmd = [compose] if compose else None
+    if cmd is None and shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        cmd = ["docker", "compose"] if probe.returncode == 0 else None
+    if cmd is None:
+        pytest.skip("neither docker-compose nor the docker compose plugin is installed (apt-get install docker-compose)")
+    compose_file = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
+    env = {**os.environ, "RENDER_GID": "109", "MODELS_DIR": "/models"}
+    r = subprocess.run([*cmd, "-f", str(compose_file), "config", "-q"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
