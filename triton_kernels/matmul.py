@@ -1,8 +1,7 @@
 """y[M, N] = x[M, K] @ W[N, K]^T for a quantized W, dequantized tile by tile in registers.
 
 Two kernels share the per-type tile dequantizers (tiles_*.py):
-  matvec  M <= 8 (decode, speculative verify). The 32-element block types take one dot per block
-          (blockdot_legacy.py); the others dequantize a tile. Each program owns BLOCK_N rows and one K split; the weight
+  matvec  M <= 8 (decode, speculative verify). Each program owns BLOCK_N rows and one K split; the weight
           tile is read once and multiplied by all M activation rows in f32 (FMA + row sums). Split-K
           partials go to a [SPLIT_K, M, N] f32 buffer summed afterwards in fixed order (no atomics: the
           result is the same on every run).
@@ -17,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegaserve.triton_kernels.blockdot_legacy import BLOCKDOT_TYPES, matvec_blockdot_kernel
 from vegaserve.triton_kernels.dequant import dequantize, spec_for
 from vegaserve.triton_kernels.layout import PackedWeight, unpack_to_canonical
 from vegaserve.triton_kernels.tiles_legacy import (
@@ -224,18 +222,11 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
     split_k = -(-n_blocks // per_split)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.n, block_n), split_k)
-    mp = max(triton.next_power_of_2(M), 2)
-    if w.type_id in BLOCKDOT_TYPES:  # 32-element blocks: one dot per block, no dequantized tile
-        matvec_blockdot_kernel[grid](
-            x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
-            WTYPE=w.type_id, M=M, MP=mp, BLOCK_N=block_n, NB=nb, num_warps=num_warps, num_stages=num_stages,
-        )
-    else:
-        _matvec_kernel[grid](
-            x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
-            WTYPE=w.type_id, QK=qk, M=M, MP=mp, BLOCK_N=block_n, NB=nb,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+    _matvec_kernel[grid](
+        x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
+        WTYPE=w.type_id, QK=qk, M=M, MP=max(triton.next_power_of_2(M), 2), BLOCK_N=block_n, NB=nb,
+        num_warps=num_warps, num_stages=num_stages,
+    )
     return part[0] if split_k == 1 else part.sum(0)
 
 
