@@ -113,6 +113,7 @@ class BlockPool:
             else:
                 block = self._blocks[self._evictable.popitem(last=False)[0]]
                 del self._cached[block.hash]
+                block.hash = block.token_ids = None
             block.ref_count = 1
             ids.append(block.block_id)
         return ids
@@ -124,7 +125,8 @@ class BlockPool:
         block_ids = list(block_ids)
         for block_id, n in Counter(block_ids).items():
             if self._blocks[block_id].ref_count < n:
-                raise ValueError(f"block {block_id} freed {n} times but has {self._blocks[block_id].ref_count} references")
+                held = self._blocks[block_id].ref_count
+                raise ValueError(f"block {block_id} freed {n} times but has {held} references")
         for block_id in block_ids:
             block = self._blocks[block_id]
             block.ref_count -= 1
