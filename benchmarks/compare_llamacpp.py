@@ -16,7 +16,6 @@ import torch
 
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
-from vegaserve.engine.forward_batch import ForwardBatch
 
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2"
 
@@ -27,12 +26,10 @@ def main() -> None:
     args = ap.parse_args()
     ref = json.loads((args.reference / "greedy.json").read_text())
     core = EngineCore(EngineConfig.from_dict({"cache": {"context_size": 512}, "device": "cpu"}), show_progress=False)
-    runner = core.runner
     rows, agree, counted = [], 0, 0
     for p in ref["prompts"]:
         ids = p["prompt_ids"] + p["completion_ids"]
-        with torch.inference_mode():
-            logits = runner.model(ForwardBatch.build([(0, 0, ids)], [True], core.device), runner.cache)
+        logits = core.forward_logits(ids)
         logp = torch.log_softmax(logits, -1)
         n_prompt = len(p["prompt_ids"])
         diffs, p_agree, p_counted = [], 0, 0

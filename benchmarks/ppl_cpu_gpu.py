@@ -23,10 +23,8 @@ from vegaserve.engine.perplexity import perplexity
 def measure(path: str, device: str, text: str, n_ctx: int, chunks: int) -> tuple[float, float, float]:
     core = EngineCore(EngineConfig.from_dict({"model": {"path": path}, "cache": {"context_size": n_ctx}, "device": device}), show_progress=False)
     tokens = core.tokenizer.encode(text, add_special_tokens=False, parse_special=False)[: chunks * n_ctx]
-    r = core.runner
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        res = perplexity(lambda b: r.model(b, r.cache), tokens, n_ctx, None, core.device)
+    res = perplexity(core.forward_logits, tokens, n_ctx, None)
     return res.ppl, res.ppl_err, time.perf_counter() - t0
 
 

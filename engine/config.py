@@ -40,9 +40,13 @@ class ModelConfig:
 class CacheConfig:
     context_size: int = 0  # 0: the model's trained context length
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # 0: enough for max_num_seqs sequences of the full context
 
     def __post_init__(self) -> None:
         _require(self.context_size >= 0, f"context size must be >= 0, got {self.context_size}")
+        _require(self.block_size >= 1, f"KV block size must be >= 1, got {self.block_size}")
+        _require(self.num_blocks >= 0, f"KV block count must be >= 0, got {self.num_blocks}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +18,8 @@ from vegaserve.engine.models.registry import load_model
 from vegaserve.engine.output_processor import OutputProcessor
 from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
+from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler
 from vegaserve.engine.tokenizer import Tokenizer
 
@@ -29,14 +30,6 @@ def pick_device(name: str) -> torch.device:
     if name != "auto":
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass
-class _Counters:
-    preemptions: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class EngineCore:
@@ -63,17 +56,20 @@ class EngineCore:
             repack=not config.model.no_repack, tuning_file=config.kernels.tuning_file,
         )
         self.arch = loaded.arch
-        n_slots = config.scheduler.max_num_seqs
-        self.runner = ModelRunner(loaded, n_slots, self.max_model_len, self.device)
-        self.scheduler = Scheduler(n_slots, max(config.scheduler.max_num_batched_tokens, 16))
+        n_seqs = config.scheduler.max_num_seqs
+        bs = config.cache.block_size
+        # the same memory the old one-slot-per-sequence cache used; sharing prefixes makes it go further
+        num_blocks = config.cache.num_blocks or n_seqs * -(-self.max_model_len // bs)
+        self.pool = BlockPool(num_blocks, bs)
+        self.runner = ModelRunner(loaded, num_blocks * bs, self.device)
+        self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.counters = _Counters()
         self.model_name = config.model.served_model_name or self.gguf.path.name.removesuffix(".gguf")
         log.info(
-            "loaded %s (%s, %d layers) on %s in %.1f s; context %d, %d slot(s), KV cache %.0f MiB",
+            "loaded %s (%s, %d layers) on %s in %.1f s; context %d, %d sequence(s), KV cache %.0f MiB",
             self.gguf.path.name, self.arch.architecture, self.arch.n_layers, self.device,
-            time.monotonic() - t0, self.max_model_len, n_slots, self.runner.cache.nbytes / 2**20,
+            time.monotonic() - t0, self.max_model_len, n_seqs, self.runner.cache.nbytes / 2**20,
         )
 
     # -- requests in ------------------------------------------------------------------------------------
@@ -125,6 +121,7 @@ class EngineCore:
         for s, res in zip(batch.seqs, result.results, strict=True):
             r = s.request
             r.num_computed += len(s.tokens)
+            self.scheduler.computed(r)
             if res.prompt_logprobs is not None:
                 r.state.prompt_logprobs.extend(res.prompt_logprobs)
             if res.token_id is None:
@@ -138,14 +135,26 @@ class EngineCore:
         return outs
 
     def stats(self) -> EngineStats:
-        used = len(self.scheduler.running)
         return EngineStats(
-            num_requests_running=used,
+            num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=sum(r.num_computed for r in self.scheduler.running)
-            / (self.runner.cache.n_slots * self.runner.cache.max_len),
-            num_preemptions=self.counters.preemptions,
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries=self.pool.queries,
+            prefix_cache_hits=self.pool.hits,
+            num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def forward_logits(self, token_ids: list[int], all_rows: bool = True) -> torch.Tensor:
+        """Logits of one sequence from an empty cache (perplexity, teacher forcing, tests): its blocks come
+        from the pool like a request's and go back uncached, so served requests are never disturbed."""
+        table = BlockTable(self.pool)
+        table.append_slots(len(token_ids))
+        try:
+            batch = ForwardBatch.build([(table.slot_mapping(0, len(token_ids)), 0, token_ids)], [all_rows], self.device)
+            with torch.inference_mode():
+                return self.runner.model(batch, self.runner.cache)
+        finally:
+            table.release()
 
     def generate_sync(self, req: GenerateRequest) -> list[RequestOutput]:
         """Run one request to completion (perplexity, tests, benchmarks)."""

@@ -30,12 +30,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, n_slots: int, max_len: int, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, num_slots: int, device: torch.device) -> None:
         self.model = loaded.model
         self.arch = loaded.arch
         self.device = device
         a = loaded.arch
-        self.cache = KVCache(a.n_layers, n_slots, max_len, a.n_kv_heads, a.head_dim, torch.float32, device)
+        self.cache = KVCache(a.n_layers, num_slots, a.n_kv_heads, a.head_dim, torch.float32, device)
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -43,7 +43,7 @@ class ModelRunner:
         # a request that wants prompt logprobs needs logits for every prompt row it computes
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
         fb = ForwardBatch.build(
-            [(s.request.slot, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.device
+            [(s.slots, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.device
         )
         logits = self.model(fb, self.cache)
         results: list[SeqResult] = []

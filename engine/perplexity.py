@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vegaserve.engine.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -48,14 +47,14 @@ class PerplexityAccumulator:
 
 
 def perplexity(
-    model: Callable[[ForwardBatch], torch.Tensor],
+    logits_of: Callable[[list[int]], torch.Tensor],
     tokens: list[int],
     n_ctx: int,
     bos_id: int | None,
-    device: torch.device,
     on_chunk: Callable[[int, int, PerplexityResult], None] | None = None,
 ) -> PerplexityResult:
-    """`model(batch)` returns logits for batch.logits_rows, from an empty cache slot 0."""
+    """`logits_of(chunk)` returns the logits [len(chunk), vocab] of a chunk evaluated from an empty cache
+    (EngineCore.forward_logits)."""
     if n_ctx < 4:
         raise ValueError(f"context must be at least 4 tokens, got {n_ctx}")
     n_chunks = len(tokens) // n_ctx
@@ -67,8 +66,7 @@ def perplexity(
         chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
         if bos_id is not None:
             chunk = [bos_id] + chunk[1:]
-        batch = ForwardBatch.build([(0, 0, chunk)], [True], device)
-        logits = model(batch)
+        logits = logits_of(chunk)
         logp = torch.log_softmax(logits[first : n_ctx - 1].float(), dim=-1)
         target = torch.tensor(chunk[first + 1 :], device=logp.device)
         acc.add(-logp.gather(1, target[:, None]).squeeze(1))

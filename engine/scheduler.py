@@ -1,9 +1,11 @@
 """Scheduler: one rule for every request. A request has tokens to compute (the rest of its prompt, or its
 last sampled token); each step hands out a token budget across running requests, decodes first, then
-prompt chunks, then new arrivals while a KV slot is free. Chunked prefill and decode share steps.
+prompt chunks, then new arrivals while KV blocks are free. Chunked prefill and decode share steps.
 
-The KV cache here is slot based (one slot of max_model_len per running request); the paged block pool
-replaces slots without changing this rule.
+KV memory is the paged block pool (engine/kv_cache.py). A new request first takes the cached blocks of
+its longest known prefix; when a step cannot get blocks, the most recently admitted running request is
+preempted (its blocks released, its tokens recomputed later: preemption by recompute) and put back at
+the front of the queue, so arrival order is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 
 
@@ -35,7 +38,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose k/v are in the cache
-    slot: int = -1
+    table: BlockTable | None = None
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     state: object = None  # output-side state (detokenizer, stop matcher), owned by the engine core
@@ -67,6 +70,7 @@ class ScheduledSeq:
     request: Request
     start: int  # = request.num_computed at schedule time
     tokens: list[int]  # the tokens computed this step
+    slots: list[int]  # cache slots of positions 0 .. start + len(tokens) - 1
 
     @property
     def samples(self) -> bool:
@@ -88,11 +92,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, n_slots: int, token_budget: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, token_budget: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
-        self.free_slots = list(range(n_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -102,28 +108,74 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self._admit()
         budget = self.token_budget
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            req.status = Status.RUNNING
-            self.running.append(req)
         seqs: list[ScheduledSeq] = []
         # decodes (one pending token) first, so streams keep their pace while long prompts are chunked
         for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
             if budget <= 0:
                 break
+            if req not in self.running:  # preempted below to make room for an earlier request
+                continue
             n = min(req.num_pending, budget)
-            seqs.append(ScheduledSeq(req, req.num_computed, req.all_ids[req.num_computed : req.num_computed + n]))
+            if not self._grow(req, n):
+                continue
+            start = req.num_computed
+            seqs.append(ScheduledSeq(req, start, req.all_ids[start : start + n], req.table.slot_mapping(0, start + n)))
             budget -= n
         return ScheduledBatch(seqs)
 
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            table = BlockTable(self.pool)
+            # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
+            if req.params.prompt_logprobs is None:
+                req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids))
+            if table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
+                table.release()
+                req.num_computed = 0
+                return
+            self.waiting.popleft()
+            req.table = table
+            req.status = Status.RUNNING
+            self.running.append(req)
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Slots for n more tokens of req, preempting later-admitted requests if blocks run out."""
+        need = req.num_computed + n - req.table.num_slots
+        while True:
+            try:
+                if need > 0:
+                    req.table.append_slots(need)
+                return True
+            except NoFreeBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.table.release()
+        req.table = None
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def computed(self, req: Request) -> None:
+        """After a step: register the request's newly filled blocks for prefix caching."""
+        if req.table is not None:
+            self.pool.cache_full_blocks(req.all_ids, req.table, req.num_computed)
+
     def finish(self, req: Request) -> None:
-        """Release the request's slot (finished, stopped or aborted); safe to call twice."""
+        """Release the request's blocks (finished, stopped or aborted); safe to call twice."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.free_slots.append(req.slot)
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        if req.table is not None:
+            req.table.release()
+            req.table = None
         req.status = Status.FINISHED
-        req.slot = -1

@@ -25,16 +25,12 @@ def run_perplexity(config: EngineConfig, text_file: Path, max_chunks: int | None
     bos = tok.bos_token_id if tok.add_bos_token else None
     if n_ctx > core.max_model_len:
         raise ConfigError(f"-c {n_ctx} exceeds the model's context ({core.max_model_len})")
-    runner = core.runner
     t0 = time.monotonic()
 
     def show(done: int, total: int, r: PerplexityResult) -> None:
         print(f"[{done}/{total}] PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}  ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
 
     print(f"perplexity: {len(tokens)} tokens, {len(tokens) // n_ctx} chunks of {n_ctx}", file=sys.stderr)
-    import torch
-
-    with torch.inference_mode():
-        r = perplexity(lambda b: runner.model(b, runner.cache), tokens, n_ctx, bos, core.device, show)
+    r = perplexity(core.forward_logits, tokens, n_ctx, bos, show)
     print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")
     return 0

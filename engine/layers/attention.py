@@ -1,8 +1,7 @@
-"""Causal self-attention over a per-sequence KV cache, with GQA.
+"""Causal self-attention over the paged KV cache, with GQA (torch reference; the Triton kernels follow).
 
-The cache is slot based: k/v of shape [layers, slots, max_len, kv_heads, head_dim]; a sequence's keys
-live in its slot, positions 0 .. start+n-1. (The paged cache and its kernels replace this with block
-tables; the layer interface stays: q, k, v of the new tokens plus the ForwardBatch.)
+The cache is one pool of slots per layer: k/v of shape [layers, num_slots, kv_heads, head_dim], slot =
+block_id * block_size + offset (engine/kv_cache.py). A sequence's keys are gathered through its slot list.
 """
 
 from __future__ import annotations
@@ -14,12 +13,11 @@ from vegaserve.engine.forward_batch import ForwardBatch
 
 
 class KVCache:
-    def __init__(self, n_layers: int, n_slots: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (n_layers, n_slots, max_len, n_kv_heads, head_dim)
+    def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (n_layers, num_slots, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.n_slots = n_slots
+        self.num_slots = num_slots
 
     @property
     def nbytes(self) -> int:
@@ -35,11 +33,12 @@ def cached_attention(
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
         end = s.start + s.n
-        kc[s.slot, s.start : end] = k[rows]
-        vc[s.slot, s.start : end] = v[rows]
+        new = s.slots[s.start : end]
+        kc[new] = k[rows]
+        vc[new] = v[rows]
         qs = q[rows].transpose(0, 1)  # [H, n, D]
-        ks = kc[s.slot, :end].transpose(0, 1)  # [KV, L, D]
-        vs = vc[s.slot, :end].transpose(0, 1)
+        ks = kc[s.slots].transpose(0, 1)  # [KV, L, D]
+        vs = vc[s.slots].transpose(0, 1)
         mask = None
         if s.n > 1:
             # query i sits at position start + i and sees keys 0 .. start + i

@@ -50,11 +50,7 @@ def test_logprobs_match_log_softmax_of_the_model(smollm2_core):
     ids = prompt(smollm2_core)
     outs, _, toks = run(smollm2_core, ids, max_tokens=1, temperature=0, logprobs=3)
     lp = outs[0].logprobs[0]
-    with torch.inference_mode():
-        from vegaserve.engine.forward_batch import ForwardBatch
-
-        r = smollm2_core.runner
-        ref = torch.log_softmax(r.model(ForwardBatch.build([(0, 0, ids)], [False], smollm2_core.device), r.cache)[0], -1)
+    ref = torch.log_softmax(smollm2_core.forward_logits(ids, all_rows=False)[0], -1)
     assert lp.token_id == toks[0] == int(ref.argmax())
     assert abs(lp.logprob - float(ref[toks[0]])) < 1e-5
     assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
@@ -82,15 +78,50 @@ def test_batched_requests_generate_what_they_generate_alone(smollm2_core):
     assert [got[r.request_id] for r in reqs] == alone
 
 
-def test_abort_frees_the_slot(smollm2_core):
-    free = len(smollm2_core.scheduler.free_slots)
+def test_abort_frees_every_block(smollm2_core):
+    pool = smollm2_core.pool
+    assert pool.num_referenced == 0
     req = GenerateRequest(prompt(smollm2_core), SamplingParams(max_tokens=50, temperature=0))
     smollm2_core.add_request(req)
     smollm2_core.step()
-    assert len(smollm2_core.scheduler.free_slots) == free - 1
+    assert pool.num_referenced > 0
     out = smollm2_core.abort(req.request_id)
     assert out.finish_reason is FinishReason.ABORT
-    assert len(smollm2_core.scheduler.free_slots) == free and not smollm2_core.has_work
+    assert pool.num_referenced == 0 and pool.num_free == pool.num_blocks and not smollm2_core.has_work
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_generates_the_same_tokens(smollm2_core):
+    ids = smollm2_core.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6, add_special_tokens=False)
+    first = run(smollm2_core, ids, max_tokens=8, temperature=0, ignore_eos=True)[2]
+    hits = smollm2_core.pool.hits
+    second = run(smollm2_core, ids, max_tokens=8, temperature=0, ignore_eos=True)[2]
+    bs = smollm2_core.pool.block_size
+    assert smollm2_core.pool.hits - hits == (len(ids) - 1) // bs * bs  # every full block before the last token
+    assert second == first
+
+
+def test_preemption_by_recompute_gives_the_same_tokens():
+    from vegaserve.engine.config import EngineConfig
+    from vegaserve.engine.engine_core import EngineCore
+
+    # 2 sequences but blocks for only ~1.3 of them: the later one is preempted and recomputed
+    core = EngineCore(
+        EngineConfig.from_dict({"cache": {"context_size": 128, "block_size": 16, "num_blocks": 5},
+                                "scheduler": {"max_num_seqs": 2}, "device": "cpu"}),
+        show_progress=False,
+    )
+    texts = ["The capital of France is", "Once upon a time, in a land far away,"]
+    alone = [run(core, prompt(core, t), max_tokens=30, temperature=0, ignore_eos=True)[2] for t in texts]
+    reqs = [GenerateRequest(prompt(core, t), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for t in texts]
+    for r in reqs:
+        core.add_request(r)
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while core.has_work:
+        for o in core.step():
+            got[o.request_id].extend(o.token_ids)
+    assert core.scheduler.num_preemptions > 0
+    assert [got[r.request_id] for r in reqs] == alone
+    assert core.pool.num_referenced == 0
 
 
 def test_seeded_sampling_repeats(smollm2_core):

@@ -11,7 +11,6 @@ import torch
 
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
-from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 
 PROMPTS = [
@@ -24,9 +23,7 @@ PROMPTS = [
 
 
 def our_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
-    runner = core.runner
-    with torch.inference_mode():
-        return runner.model(ForwardBatch.build([(0, 0, ids)], [True], core.device), runner.cache)
+    return core.forward_logits(ids)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
