@@ -138,3 +138,41 @@ def test_a_split_mode_is_refused_until_the_multi_gpu_executor_exists():
 
     with pytest.raises(ConfigError, match="multi-GPU executor is not implemented"):
         EngineCore(EngineConfig.from_dict({"parallel": {"split_mode": "tensor"}}), show_progress=False)
+
+
+def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
+    """4 sequences decoding beside 4 whose prompts are computed in the same step."""
+    import torch
+
+    from vegaserve.engine.forward_batch import ForwardBatch
+    from vegaserve.engine.kv_cache import BlockTable
+
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,",
+             "Les chats sont", "import numpy as np", "Dear Sir or Madam,", "The sky is"]
+    seqs = [prompt(smollm2_core, t) for t in texts]
+    alone = [smollm2_core.forward_logits(ids) for ids in seqs]
+    tables = [BlockTable(smollm2_core.pool) for _ in seqs]
+    try:
+        # step 1: the first four prompts but their last token; step 2: those last tokens (decode) beside
+        # the other four whole prompts (prefill)
+        first = []
+        for table, ids in zip(tables[:4], seqs[:4]):
+            table.append_slots(len(ids) - 1)
+            first.append((table.slot_mapping(0, len(ids) - 1), 0, ids[:-1]))
+        with torch.inference_mode():
+            smollm2_core.runner.model(ForwardBatch.build(first, [False] * 4, smollm2_core.device), smollm2_core.runner.cache)
+        mixed = []
+        for table, ids in zip(tables[:4], seqs[:4]):
+            table.append_slots(1)
+            mixed.append((table.slot_mapping(0, len(ids)), len(ids) - 1, ids[-1:]))
+        for table, ids in zip(tables[4:], seqs[4:]):
+            table.append_slots(len(ids))
+            mixed.append((table.slot_mapping(0, len(ids)), 0, ids))
+        with torch.inference_mode():
+            batch = ForwardBatch.build(mixed, [False] * 8, smollm2_core.device)
+            logits = smollm2_core.runner.model(batch, smollm2_core.runner.cache)
+    finally:
+        for table in tables:
+            table.release()
+    for row, ref in zip(logits, alone, strict=True):
+        assert float((row - ref[-1]).norm() / ref[-1].norm()) < 1e-4
