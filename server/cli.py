@@ -1,4 +1,4 @@
-"""`vegaserve` command line: `serve` (the default), `perplexity`.
+"""`vegaserve` command line: `serve` (the default), `perplexity`, `tune`, `bench`.
 
 Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
 the flags given end up in the config tree, above the environment and the `--config` YAML file.
@@ -52,6 +52,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, help="accepted for llama-server compatibility: all layers run on the GPU")
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vegaserve", description="OpenAI-compatible GGUF inference server")
     sub = parser.add_subparsers(dest="command")
@@ -79,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(ppl)
     ppl.add_argument("-f", "--file", required=True, type=Path, help="text file to score")
     ppl.add_argument("--chunks", type=int, help="score at most this many chunks")
+
+    bench = sub.add_parser("bench", help="llama-bench's prefill (pp) and decode (tg) speeds in tokens/s")
+    _model_flags(bench)
+    bench.add_argument("-p", "--n-prompt", type=_counts, default=[512], help="prompt lengths, e.g. 512,2048 (0: none)")
+    bench.add_argument("-n", "--n-gen", type=_counts, default=[128], help="tokens to generate, e.g. 128 (0: none)")
+    bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test, after a warm-up")
 
     tune = sub.add_parser("tune", help="measure kernel launch parameters on this GPU; writes configs/kernels/<target>.json")
     tune.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,MXFP4")
@@ -144,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(f"wrote {out}")
             return 0
+        if args.command == "bench":
+            from vegaserve.server.bench_cmd import run_bench
+
+            return run_bench(config, args.n_prompt, args.n_gen, args.repetitions)
         if args.command == "perplexity":
             from vegaserve.server.perplexity_cmd import run_perplexity
 

@@ -1,36 +1,42 @@
 """Writes tiny GGUF models with random weights for every architecture and weight type the tests need.
 
-The vocabulary and chat template are SmolLM2's (read from the embedded model), so the tokenizer path is the
-real one; the weights are random valid blocks of the requested type (scales finite and moderate).
+The vocabulary and chat template are SmolLM2's (read from the embedded model and written by
+benchmarks/synth_gguf.py's `add_smollm2_tokenizer`), so the tokenizer path is the real one; the weights are
+random valid blocks of the requested type (scales finite and moderate).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
 import torch
 
-from vegaserve.engine.gguf_file import GGUFFile, default_model_path
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
-_TOKENIZER_KEYS = (
-    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-    "tokenizer.chat_template",
-)
-_tokenizer_cache: dict[str, object] = {}
+
+def _load_synth_gguf() -> ModuleType:
+    """benchmarks/synth_gguf.py, loaded by path (benchmarks/ is no package): the tokenizer writer is shared."""
+    key = "vegaserve_benchmarks_synth_gguf"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "synth_gguf.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # before exec: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
-def smollm2_tokenizer_metadata() -> dict[str, object]:
-    if not _tokenizer_cache:
-        md = GGUFFile(default_model_path()).metadata
-        _tokenizer_cache.update({k: md[k] for k in _TOKENIZER_KEYS if k in md})
-    return _tokenizer_cache
+synth_gguf = _load_synth_gguf()
+# a module attribute, so that tests can swap in a smaller vocabulary (tests/engine/test_gguf_file.py)
+smollm2_tokenizer_metadata = synth_gguf.smollm2_tokenizer_metadata
 
 
 @dataclass
@@ -79,15 +85,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
         w.add_float32(f"{a}.rope.scaling.factor", float(spec.rope_scaling["factor"]))
         if "original_context_length" in spec.rope_scaling:
             w.add_uint32(f"{a}.rope.scaling.original_context_length", int(spec.rope_scaling["original_context_length"]))
-    w.add_tokenizer_model(md["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
-    w.add_token_list(md["tokenizer.ggml.tokens"])
-    w.add_token_types(md["tokenizer.ggml.token_type"])
-    w.add_token_merges(md["tokenizer.ggml.merges"])
-    w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(md["tokenizer.chat_template"] if spec.chat_template is None else spec.chat_template)
+    synth_gguf.add_smollm2_tokenizer(w, md, chat_template=spec.chat_template)
 
     def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
         tid = _type_id(type_name)

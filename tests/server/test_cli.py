@@ -164,7 +164,7 @@ def test_help_is_not_taken_for_serve(served: list[EngineConfig], capsys: pytest.
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0 and not served
-    assert "{serve,perplexity,tune}" in capsys.readouterr().out
+    assert "{serve,perplexity,bench,tune}" in capsys.readouterr().out
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
