@@ -53,8 +53,3 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             tree.setdefault(section, {})[key] = parse(environ[name], name)
     return tree
 
-
-def triton_interpret(environ: Mapping[str, str] | None = None) -> bool:
-    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (tests); read here so the rule above holds."""
-    environ = os.environ if environ is None else environ
-    return environ.get("TRITON_INTERPRET", "0") == "1"

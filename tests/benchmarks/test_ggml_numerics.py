@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from vegaserve.engine.layers import ggml_numerics as G
 from vegaserve.triton_kernels.dequant import dequantize
+
+# an analysis tool beside the benchmarks, not engine code: loaded by path
+_spec = importlib.util.spec_from_file_location(
+    "vegaserve_bench_ggml_numerics", Path(__file__).resolve().parents[2] / "benchmarks" / "ggml_numerics.py"
+)
+G = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = G
+_spec.loader.exec_module(G)
 
 
 def f16(v: float) -> float:

@@ -1,5 +1,8 @@
 """Emulation of llama.cpp's CPU (ggml-cpu) arithmetic, for matching its logits, not for speed.
 
+An analysis tool (it explained why llama.cpp's reference logits cannot be matched closer than its own
+build-to-build spread, docs/PERF.md); the engine does not use it.
+
 A model computed in plain f32 agrees with transformers to ~1e-6 but not with llama.cpp: ggml's CPU backend
 rounds in places f32 torch does not. With q8 activations SmolLM2-135M is chaotic: a 1e-6 relative nudge of
 the matmul inputs moves first-token logprobs by 0.1-0.2, so only a bit-exact emulation can match llama.cpp's
