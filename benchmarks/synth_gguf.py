@@ -233,6 +233,22 @@ def _file_type(type_name: str) -> int | None:
     return None if ft is None else int(ft)
 
 
+def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
+    """The `{arch}.*` hyperparameter keys of a llama-family decoder (shared with tests/gguf_factory.py)."""
+    w.add_block_count(p.n_layers)
+    w.add_context_length(p.context)
+    w.add_embedding_length(p.hidden)
+    w.add_feed_forward_length(p.ffn)
+    w.add_head_count(p.n_heads)
+    w.add_head_count_kv(p.n_kv_heads)
+    w.add_layer_norm_rms_eps(p.rms_eps)
+    w.add_rope_freq_base(p.rope_theta)
+    w.add_rope_dimension_count(p.head_dim)
+    w.add_key_length(p.head_dim)
+    w.add_value_length(p.head_dim)
+    w.add_vocab_size(p.vocab)
+
+
 def write_synth_gguf(
     path: Path, preset: str | Preset, type_name: str, n_layers: int | None = None, seed: int = 0,
     progress: bool = False,
@@ -251,18 +267,7 @@ def write_synth_gguf(
     ft = _file_type(type_name)
     if ft is not None:
         w.add_file_type(ft)
-    w.add_block_count(p.n_layers)
-    w.add_context_length(p.context)
-    w.add_embedding_length(p.hidden)
-    w.add_feed_forward_length(p.ffn)
-    w.add_head_count(p.n_heads)
-    w.add_head_count_kv(p.n_kv_heads)
-    w.add_layer_norm_rms_eps(p.rms_eps)
-    w.add_rope_freq_base(p.rope_theta)
-    w.add_rope_dimension_count(p.head_dim)
-    w.add_key_length(p.head_dim)
-    w.add_value_length(p.head_dim)
-    w.add_vocab_size(p.vocab)
+    add_decoder_hparams(w, p)
     add_smollm2_tokenizer(w, smollm2_tokenizer_metadata(), p.vocab)
     for t in plan:
         n = _nbytes(t)

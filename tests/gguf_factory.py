@@ -68,18 +68,10 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
     w = gguf.GGUFWriter(str(path), spec.arch)
     a = spec.arch
     head_dim = spec.hidden // spec.n_heads
-    w.add_block_count(spec.n_layers)
-    w.add_context_length(spec.context)
-    w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.ffn)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_vocab_size(vocab)
+    synth_gguf.add_decoder_hparams(w, synth_gguf.Preset(
+        spec.arch, spec.n_layers, spec.hidden, spec.n_heads, spec.n_kv_heads, spec.ffn, vocab, spec.context,
+        spec.rope_theta,
+    ))
     if spec.rope_scaling:
         w.add_string(f"{a}.rope.scaling.type", str(spec.rope_scaling["type"]))
         w.add_float32(f"{a}.rope.scaling.factor", float(spec.rope_scaling["factor"]))
