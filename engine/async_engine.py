@@ -40,6 +40,9 @@ class AsyncEngine:
         self._stopping = False
         self._running = False
         self._thread: threading.Thread | None = None
+        workers = core.executor.workers
+        if workers is not None:  # several processes: a worker's death ends the engine (engine/executor.py)
+            workers.callbacks.append(self._worker_died)
         if start_loop:
             self._thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
             self._running = True
@@ -52,6 +55,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._dead is None and self._running
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped, when it did not stop on request."""
+        return self._dead
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -89,6 +97,18 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def _worker_died(self, msg: str) -> None:
+        """From the executor's monitor thread: fail every stream now; new requests get a 503."""
+        self._dead = EngineDeadError(msg)
+        self._stopping = True
+        self._fail_all(f"the engine failed: {msg}")
+
+    def _fail_all(self, msg: str) -> None:
+        with self._lock:
+            rids = list(self._queues)
+        for rid in rids:
+            self._deliver(rid, EngineDeadError(msg))
 
     # -- the loop thread --------------------------------------------------------------------------------
     def _post(self, kind: str, payload: object) -> None:
@@ -130,10 +150,10 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; every waiter hears of it
             log.exception("engine loop failed")
-            self._dead = e
-            with self._lock:
-                rids = list(self._queues)
-            for rid in rids:
-                self._deliver(rid, EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+            if self._dead is None:
+                self._dead = e
+            self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
         finally:
             self._running = False
+            if self._dead is None:
+                self.core.close()  # the other ranks stop with the loop (a dead peer: the monitor ends it)

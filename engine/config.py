@@ -67,8 +67,13 @@ class ParallelConfig:
     custom_allreduce: bool = False  # GGML_ENABLE_CUSTOM_AR
     allreduce_two_shot: bool | None = None  # GGML_TP_AR_TWOSHOT; None: policy decides
     sched_n_copies: int | None = None  # GGML_SCHED_N_COPIES
+    n_devices: int = 0  # -ndev; 0: every visible GPU (on a CPU: 1; more runs that many CPU processes)
+    device_memory_gib: float = 0.0  # --device-memory; 0: what each device reports
 
     def __post_init__(self) -> None:
+        _require(self.n_devices >= 0, f"-ndev must be >= 0, got {self.n_devices}")
+        _require(self.device_memory_gib >= 0, f"--device-memory must be >= 0, got {self.device_memory_gib}")
+        _require(self.sched_n_copies is None or self.sched_n_copies >= 1, f"GGML_SCHED_N_COPIES must be >= 1, got {self.sched_n_copies}")
         _require(self.split_mode in ("none", "layer", "tensor"), f"split mode must be none, layer or tensor, got {self.split_mode!r}")
         _require(self.tensor_parallel_group >= 0, f"-tps must be >= 0, got {self.tensor_parallel_group}")
 

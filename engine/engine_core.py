@@ -11,14 +11,16 @@ import time
 import torch
 
 from vegaserve.engine.chat_template import ChatTemplate
-from vegaserve.engine.config import ConfigError, EngineConfig
+from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
 from vegaserve.engine.model_runner import ModelRunner, StepOutput
-from vegaserve.engine.models.registry import load_model
+from vegaserve.engine.distributed.worker import StepPlan
+from vegaserve.engine.env import torchrun_rank
+from vegaserve.engine.executor import plan_launch, start_executor
+from vegaserve.engine.models.arch_config import arch_config_from_gguf
 from vegaserve.engine.output_processor import OutputProcessor
 from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
-from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler
 from vegaserve.engine.tokenizer import Tokenizer
@@ -32,14 +34,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def engine_shape(config: EngineConfig, gguf: GGUFFile) -> tuple[int, int]:
+    """(context length, KV blocks): computed alike on every rank."""
+    trained = int(gguf.metadata.get(f"{gguf.architecture}.context_length", 0) or 0)
+    max_model_len = config.cache.context_size or trained or 4096
+    # the same memory a one-slot-per-sequence cache would use; sharing prefixes makes it go further
+    bs = config.cache.block_size
+    return max_model_len, config.cache.num_blocks or config.scheduler.max_num_seqs * -(-max_model_len // bs)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        if config.parallel.split_mode != "none":
-            raise ConfigError(
-                f"-sm {config.parallel.split_mode}: the multi-GPU executor is not implemented yet; "
-                "run one GPU (no -sm) for now"
-            )
         path = config.model.path or default_model_path()
         t0 = time.monotonic()
         self.gguf = GGUFFile(path, config.model.load_mode)
@@ -48,20 +54,17 @@ class EngineCore:
         self.chat_template = (
             ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else ChatTemplate.default()
         )
-        trained = int(self.gguf.metadata.get(f"{self.gguf.architecture}.context_length", 0) or 0)
-        self.max_model_len = config.cache.context_size or trained or 4096
+        self.max_model_len, num_blocks = engine_shape(config, self.gguf)
         self.device = pick_device(config.device)
-        loaded = load_model(
-            self.gguf, self.device, self.max_model_len, show_progress,
-            repack=not config.model.no_repack, tuning_file=config.kernels.tuning_file,
-        )
-        self.arch = loaded.arch
+        self.arch = arch_config_from_gguf(self.gguf.metadata, set(self.gguf.tensors), str(self.gguf.path))
         n_seqs = config.scheduler.max_num_seqs
         bs = config.cache.block_size
-        # the same memory the old one-slot-per-sequence cache used; sharing prefixes makes it go further
-        num_blocks = config.cache.num_blocks or n_seqs * -(-self.max_model_len // bs)
+        started = torchrun_rank()  # rank 0 of a torchrun job: the other ranks were started by torchrun
+        self.launch = plan_launch(config, self.gguf, self.arch, self.max_model_len, num_blocks * bs, self.device,
+                                  torchrun_world=started[1] if started else 0)
+        self.executor = start_executor(self.launch, self.device, self.gguf, show_progress)
         self.pool = BlockPool(num_blocks, bs)
-        self.runner = ModelRunner(loaded, num_blocks * bs, self.device)
+        self.runner = ModelRunner(self.executor)
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -144,15 +147,17 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
+    def close(self) -> None:
+        """Stop the other ranks (if any). The engine serves nothing after this."""
+        self.executor.close()
+
     def forward_logits(self, token_ids: list[int], all_rows: bool = True) -> torch.Tensor:
         """Logits of one sequence from an empty cache (perplexity, teacher forcing, tests): its blocks come
         from the pool like a request's and go back uncached, so served requests are never disturbed."""
         table = BlockTable(self.pool)
         table.append_slots(len(token_ids))
         try:
-            batch = ForwardBatch.build([(table.slot_mapping(0, len(token_ids)), 0, token_ids)], [all_rows], self.device)
-            with torch.inference_mode():
-                return self.runner.model(batch, self.runner.cache)
+            return self.executor.forward(StepPlan([(table.slot_mapping(0, len(token_ids)), 0, token_ids)], [all_rows]))
         finally:
             table.release()
 

@@ -53,3 +53,15 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             tree.setdefault(section, {})[key] = parse(environ[name], name)
     return tree
 
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(global rank, world size) when torchrun (or any launcher of its convention) started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _int(os.environ["RANK"], "RANK"), _int(os.environ["WORLD_SIZE"], "WORLD_SIZE")
+    return None
+
+
+def local_rank() -> int:
+    """This process's GPU index on its node under torchrun (LOCAL_RANK)."""
+    return _int(os.environ.get("LOCAL_RANK", "0"), "LOCAL_RANK")

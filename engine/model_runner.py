@@ -1,6 +1,7 @@
-"""ModelRunner: a ScheduledBatch in, a StepOutput out. Owns the model, its KV cache and the sampler.
+"""ModelRunner: a ScheduledBatch in, a StepOutput out. Runs on rank 0 and owns the sampler; the model and
+its KV cache live behind the executor (one process, or one per device).
 
-ScheduledBatch -> ForwardBatch (tensors) -> model -> logits -> sampled tokens (+ logprobs).
+ScheduledBatch -> StepPlan -> executor (every rank: ForwardBatch, its layers) -> logits -> sampled tokens.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vegaserve.engine.forward_batch import ForwardBatch
-from vegaserve.engine.layers.attention import KVCache
-from vegaserve.engine.models.registry import LoadedModel
+from vegaserve.engine.distributed.worker import StepPlan
+from vegaserve.engine.executor import Executor
 from vegaserve.engine.request import TokenLogprob
 from vegaserve.engine.sampling import Sampler
 from vegaserve.engine.scheduler import ScheduledBatch
@@ -30,22 +30,21 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_slots: int, device: torch.device) -> None:
-        self.model = loaded.model
-        self.arch = loaded.arch
-        self.device = device
-        a = loaded.arch
-        self.cache = KVCache(a.n_layers, num_slots, a.n_kv_heads, a.head_dim, torch.float32, device)
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
         self.sampler = Sampler()
+
+    @property
+    def cache(self):
+        """Rank 0's KV cache (with several devices: its share)."""
+        return self.executor.cache
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         # a request that wants prompt logprobs needs logits for every prompt row it computes
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
-        fb = ForwardBatch.build(
-            [(s.slots, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.device
-        )
-        logits = self.model(fb, self.cache)
+        plan = StepPlan([(s.slots, s.start, s.tokens) for s in batch.seqs], wants_prompt)
+        logits = self.executor.forward(plan)
         results: list[SeqResult] = []
         last_rows: list[int] = []
         row = 0

@@ -2,4 +2,5 @@ import sys
 
 from vegaserve.server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the multi-device executor's spawned workers import this module too
+    sys.exit(main())

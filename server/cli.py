@@ -26,6 +26,8 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "batch_size": ("scheduler", "max_num_batched_tokens"),
     "split_mode": ("parallel", "split_mode"),
     "tps": ("parallel", "tensor_parallel_group"),
+    "n_devices": ("parallel", "n_devices"),
+    "device_memory": ("parallel", "device_memory_gib"),
     "n_gpu_layers": ("parallel", "n_gpu_layers"),
     "spec_type": ("speculative", "spec_type"),
     "model_draft": ("speculative", "draft_model"),
@@ -76,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", help="accepted for compatibility: attention is always fused")
     g.add_argument("-sm", "--split-mode", choices=["none", "layer", "tensor", "row"], help="how to use several GPUs")
     g.add_argument("-tps", type=int, dest="tps", help="tensor-parallel group size inside -sm tensor (0: all GPUs)")
+    g.add_argument("-ndev", "--n-devices", type=int, help="devices to split over (default: every visible GPU; "
+                   "with --device cpu, that many CPU processes)")
+    g.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device to plan the split with "
+                   "(default: what the device reports)")
     g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"], help="speculative decoding")
     g.add_argument("-md", "--model-draft", help="draft model GGUF for --spec-type draft")
     g.add_argument("--draft-max", type=int, help="draft tokens per step")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 import uvicorn
 
 from vegaserve.engine.async_engine import AsyncEngine
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.executor import FAILURE_GRACE_S
 from vegaserve.server.middleware import Drain
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,16 @@ class GracefulStop:
 
 
 def run_server(config: EngineConfig) -> int:
+    from vegaserve.engine.env import torchrun_rank
     from vegaserve.server.app import create_app
+
+    started = torchrun_rank()
+    if started is not None and started[0] != 0:
+        # a rank torchrun started on some node: it serves no HTTP, it runs its share of every step
+        from vegaserve.engine.executor import run_torchrun_worker
+
+        run_torchrun_worker(config, *started)
+        return 0
 
     engine = AsyncEngine(EngineCore(config), start_loop=False)
     app = create_app(engine, api_key=config.server.api_key, max_body_bytes=config.server.max_body_bytes)
@@ -78,6 +89,13 @@ def run_server(config: EngineConfig) -> int:
     front.start()
     log.info("serving %s on http://%s:%d/v1", engine.model_name, config.server.host, config.server.port)
     engine.run_loop()
+    if engine.failure is not None:
+        # clients hear of it: streams got an error event, new requests a 503; then the process ends non-zero
+        log.error("the engine failed (%s); answering 503 for %.0f s, then exiting", engine.failure, FAILURE_GRACE_S)
+        time.sleep(FAILURE_GRACE_S)
+        server.should_exit = True
+        front.join(timeout=5)
+        return 1
     server.should_exit = True
     front.join(timeout=10)
     return 0 if server.started or not front.is_alive() else 1

@@ -5,6 +5,13 @@
     for each layer:  h += o_proj(attn(rope(q), rope(k), v))   with q, k, v = qkv_proj(norm(h))
                      h += down(silu(gate(x)) * up(x))         with x = norm(h)
     logits = lm_head(norm(h))                                 lm_head reads token_embd when tied
+
+Many devices (engine/distributed/): a model object holds one rank's share. Its stage's layers only (the
+embedding on the first stage, norm and head on the last); inside a tensor-parallel group each lane holds a
+slice: q/k/v and gate/up by output rows (heads, feed-forward columns), o_proj and down by input columns in
+whole quantization blocks, the embedding and head by vocabulary rows. One AllReduce after attention, one
+after the MLP, one after the embedding (rows a lane does not own are zero); the head's slices are gathered.
+With one device every slice is the whole tensor and every collective the identity.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vegaserve.engine.distributed.communicator import Communicator, LocalCommunicator
+from vegaserve.engine.distributed.sharding import slice_cols, slice_rows, vocab_slice
+from vegaserve.engine.distributed.topology import kv_heads_per_lane, lane_kv_head
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention
 from vegaserve.engine.layers.embedding import QuantEmbedding
@@ -26,35 +36,54 @@ from vegaserve.engine.models.weights import WeightLoader
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod) -> None:
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int) -> None:
         super().__init__()
-        self.index = index
-        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.index = index  # the GGUF layer (tensor names)
+        self.cache_layer = cache_layer  # its place in this rank's KV cache
+        self.comm = comm
+        tp, lane = comm.tp, comm.lane
+        self.head_dim = cfg.head_dim
+        self.n_heads = cfg.n_heads // tp
+        self.n_kv = kv_heads_per_lane(cfg.n_kv_heads, tp)
+        self.kv0 = lane_kv_head(cfg.n_heads, cfg.n_kv_heads, tp, lane)
+        self.ffn = cfg.intermediate_size // tp
+        self.lane = lane
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.qkv = QuantLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], method)
-        self.o_proj = QuantLinear(cfg.q_size, [cfg.hidden_size], method)
+        self.qkv = QuantLinear(cfg.hidden_size, [q_size, kv_size, kv_size], method)
+        self.o_proj = QuantLinear(q_size, [cfg.hidden_size], method)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.gate_up = QuantLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, method)
-        self.down = QuantLinear(cfg.intermediate_size, [cfg.hidden_size], method)
-        self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.gate_up = QuantLinear(cfg.hidden_size, [self.ffn] * 2, method)
+        self.down = QuantLinear(self.ffn, [cfg.hidden_size], method)
+        self.split = [q_size, kv_size, kv_size]
+        self.full_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]  # before slicing
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
+        hd = self.head_dim
+        # this lane's rows of q, k, v: its query heads, and the KV heads they read
+        q_rows = (self.lane * self.n_heads * hd, self.n_heads * hd)
+        kv_rows = (self.kv0 * hd, self.n_kv * hd)
+        rows = dict(zip("qkv", (q_rows, kv_rows, kv_rows), strict=True))
         self.attn_norm.weight.data = w.vector(p + "attn_norm.weight", self.attn_norm.weight.shape)
         biases = None
         if (p + "attn_q.bias") in w:
-            biases = [w.vector(p + f"attn_{n}.bias", (size,)) for n, size in zip("qkv", self.split, strict=True)]
-        self.qkv.load([w.source(p + f"attn_{n}.weight") for n in "qkv"], w.device, biases)
-        self.o_proj.load([w.source(p + "attn_output.weight")], w.device)
+            biases = [
+                w.vector(p + f"attn_{n}.bias", (full,))[rows[n][0] : sum(rows[n])]
+                for n, full in zip("qkv", self.full_sizes, strict=True)
+            ]
+        self.qkv.load([slice_rows(w.source(p + f"attn_{n}.weight"), *rows[n]) for n in "qkv"], w.device, biases)
+        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight"), *q_rows)], w.device)
         if self.q_norm is not None:
-            self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (self.head_dim,))
-            self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (self.head_dim,))
+            self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (hd,))
+            self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (hd,))
         self.ffn_norm.weight.data = w.vector(p + "ffn_norm.weight", self.ffn_norm.weight.shape)
-        self.gate_up.load([w.source(p + "ffn_gate.weight"), w.source(p + "ffn_up.weight")], w.device)
-        self.down.load([w.source(p + "ffn_down.weight")], w.device)
+        f = (self.lane * self.ffn, self.ffn)
+        self.gate_up.load([slice_rows(w.source(p + "ffn_gate.weight"), *f), slice_rows(w.source(p + "ffn_up.weight"), *f)], w.device)
+        self.down.load([slice_cols(w.source(p + "ffn_down.weight"), *f)], w.device)
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         T = h.shape[0]
@@ -65,27 +94,37 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        a = cached_attention(q, k, v, self.index, cache, batch, self.scale)
-        h = h + self.o_proj(a.reshape(T, -1))
+        a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
+        h = h + self.comm.all_reduce(self.o_proj(a.reshape(T, -1)))
         gate, up = self.gate_up(self.ffn_norm(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        return h + self.comm.all_reduce(self.down(F.silu(gate) * up))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, method: QuantMethod, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, method: QuantMethod, max_positions: int, comm: Communicator | None = None,
+                 layers: range | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.method = method
         self.max_positions = max_positions
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.embed = QuantEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.lm_head = QuantLinear(cfg.hidden_size, [cfg.vocab_size], method)
+        self.comm = comm = comm or LocalCommunicator()
+        self.layer_range = range(cfg.n_layers) if layers is None else layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j) for j, i in enumerate(self.layer_range))
+        self.vocab0, vocab_rows, self.vocab_width = vocab_slice(cfg.vocab_size, comm.tp, comm.lane)
+        self.embed = QuantEmbedding(vocab_rows, cfg.hidden_size) if comm.is_first_stage else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if comm.is_last_stage else None
+        self.lm_head = QuantLinear(cfg.hidden_size, [vocab_rows], method) if comm.is_last_stage else None
         self.rope: RotaryEmbedding | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this rank caches per layer."""
+        return kv_heads_per_lane(self.cfg.n_kv_heads, self.comm.tp)
 
     def load(self, w: WeightLoader) -> None:
         cfg = self.cfg
-        self.embed.load(w.source("token_embd.weight"), w.device)
+        if self.embed is not None:
+            self.embed.load(slice_rows(w.source("token_embd.weight"), self.vocab0, self.embed.vocab), w.device)
         freq_factors = w.vector("rope_freqs.weight", (cfg.rope_dim // 2,)) if "rope_freqs.weight" in w else None
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.rope_dim, cfg.rope_theta, self.max_positions, cfg.rope_scaling,
@@ -93,14 +132,47 @@ class LlamaModel(nn.Module):
         )
         for layer in w.progress(self.layers):
             layer.load(w)
-        self.norm.weight.data = w.vector("output_norm.weight", (cfg.hidden_size,))
-        # a tied head multiplies by the embedding table itself
-        self.lm_head.load([w.source("token_embd.weight" if cfg.tied_embeddings else "output.weight")], w.device)
+        if self.lm_head is not None:
+            self.norm.weight.data = w.vector("output_norm.weight", (cfg.hidden_size,))
+            # a tied head multiplies by the embedding table itself
+            head = w.source("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+            self.lm_head.load([slice_rows(head, self.vocab0, self.lm_head.out_features)], w.device)
+        # what other ranks load is not "unused"
+        w.skip(n for n in w.names() if not self._owns(n))
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] in f32."""
-        h = self.embed(batch.input_ids)
+    def _owns(self, name: str) -> bool:
+        if name.startswith("blk."):
+            return int(name.split(".")[1]) in self.layer_range
+        if name == "token_embd.weight":
+            return self.embed is not None or (self.lm_head is not None and self.cfg.tied_embeddings)
+        if name.startswith("output"):
+            return self.lm_head is not None
+        return True
+
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """First stage: [T, hidden]; with vocabulary slices, each lane fills the rows it owns and the
+        AllReduce completes them."""
+        ids = batch.input_ids
+        if self.comm.tp == 1:
+            return self.embed(ids)
+        local = ids - self.vocab0
+        owned = (local >= 0) & (local < self.embed.vocab)
+        h = self.embed(torch.where(owned, local, 0))
+        return self.comm.all_reduce(h * owned[:, None])
+
+    def run_layers(self, h: torch.Tensor, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         for layer in self.layers:
             h = layer(h, self.rope, cache, batch)
-        h = self.norm(h[batch.logits_rows])
-        return self.lm_head(h).float()
+        return h
+
+    def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Last stage: logits [len(batch.logits_rows), vocab] in f32, gathered over the lanes."""
+        logits = self.lm_head(self.norm(h[batch.logits_rows])).float()
+        if self.comm.tp == 1:
+            return logits
+        pad = self.vocab_width - logits.shape[1]
+        return self.comm.gather_vocab(F.pad(logits, (0, pad)) if pad else logits, self.cfg.vocab_size)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The whole model on one stage: logits [len(batch.logits_rows), vocab] in f32."""
+        return self.head(self.run_layers(self.embed_tokens(batch), cache, batch), batch)

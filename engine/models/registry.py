@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vegaserve.engine.distributed.communicator import Communicator
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
 from vegaserve.engine.layers.linear import QuantMethod, ReferenceMethod, TritonMethod
 from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_gguf
@@ -33,8 +34,10 @@ def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None
 
 def load_model(
     gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
-    tuning_file: str | None = None,
+    tuning_file: str | None = None, comm: Communicator | None = None, layers: range | None = None,
 ) -> LoadedModel:
+    """The model, or with `comm` one rank's share of it: the `layers` of its pipeline stage, sliced for its
+    tensor-parallel lane (models/llama.py)."""
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
     if cls is None:
@@ -43,7 +46,7 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions)
+    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions, comm, layers)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

@@ -40,6 +40,13 @@ class WeightLoader:
         """Norm weights, biases, frequency factors: always f32."""
         return self.dense(name, tuple(shape), torch.float32)
 
+    def names(self) -> list[str]:
+        return list(self.gguf.tensors)
+
+    def skip(self, names: Iterable[str]) -> None:
+        """Tensors another rank loads: not reported as unused here."""
+        self.used.update(names)
+
     def progress(self, items: Iterable[T]) -> Iterator[T]:
         items = list(items)
         yield from tqdm(items, desc=f"loading {self.gguf.path.name}", unit="layer", disable=not self.show_progress, leave=False)

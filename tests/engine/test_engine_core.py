@@ -130,21 +130,24 @@ def test_seeded_sampling_repeats(smollm2_core):
     assert a == b
 
 
-def test_a_split_mode_is_refused_until_the_multi_gpu_executor_exists():
+def test_a_split_the_model_cannot_take_is_refused_before_any_worker_starts():
     import pytest
 
     from vegaserve.engine.config import ConfigError, EngineConfig
     from vegaserve.engine.engine_core import EngineCore
 
-    with pytest.raises(ConfigError, match="multi-GPU executor is not implemented"):
-        EngineCore(EngineConfig.from_dict({"parallel": {"split_mode": "tensor"}}), show_progress=False)
+    # SmolLM2-135M has 9 attention heads
+    with pytest.raises(ConfigError, match="9 attention heads do not divide over 2 tensor-parallel devices"):
+        EngineCore(EngineConfig.from_dict({"parallel": {"split_mode": "tensor", "n_devices": 2}, "device": "cpu"}),
+                   show_progress=False)
+
 
 
 def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
     """4 sequences decoding beside 4 whose prompts are computed in the same step."""
     import torch
 
-    from vegaserve.engine.forward_batch import ForwardBatch
+    from vegaserve.engine.distributed.worker import StepPlan
     from vegaserve.engine.kv_cache import BlockTable
 
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,",
@@ -159,8 +162,7 @@ def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
         for table, ids in zip(tables[:4], seqs[:4]):
             table.append_slots(len(ids) - 1)
             first.append((table.slot_mapping(0, len(ids) - 1), 0, ids[:-1]))
-        with torch.inference_mode():
-            smollm2_core.runner.model(ForwardBatch.build(first, [False] * 4, smollm2_core.device), smollm2_core.runner.cache)
+        smollm2_core.executor.forward(StepPlan(first, [False] * 4))
         mixed = []
         for table, ids in zip(tables[:4], seqs[:4]):
             table.append_slots(1)
@@ -168,9 +170,7 @@ def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
         for table, ids in zip(tables[4:], seqs[4:]):
             table.append_slots(len(ids))
             mixed.append((table.slot_mapping(0, len(ids)), 0, ids))
-        with torch.inference_mode():
-            batch = ForwardBatch.build(mixed, [False] * 8, smollm2_core.device)
-            logits = smollm2_core.runner.model(batch, smollm2_core.runner.cache)
+        logits = smollm2_core.executor.forward(StepPlan(mixed, [False] * 8))
     finally:
         for table in tables:
             table.release()

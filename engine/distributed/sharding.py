@@ -1,0 +1,56 @@
+"""A lane's slice of a GGUF matrix, cut from its canonical bytes before the layer stores it.
+
+GGUF rows are independent, so slicing output rows (column-parallel linears, the vocab-parallel embedding
+and LM head) cuts nothing. Slicing input columns (row-parallel linears) takes whole blocks of every row:
+the caller checked (topology.check_model_splits) that the slice is a whole number of blocks, and this
+refuses anything else. The layer then repacks its own slice on its own device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vegaserve.engine.gguf_file import ModelLoadError
+from vegaserve.engine.layers.linear import WeightSource
+from vegaserve.triton_kernels.dequant import spec_for
+
+
+def _with_shape(src: WeightSource, raw, shape: tuple[int, ...]) -> WeightSource:
+    info = dataclasses.replace(src.info, shape=shape, n_bytes=raw.numel())
+    return WeightSource(info, raw, src.path)
+
+
+def slice_rows(src: WeightSource, start: int, count: int) -> WeightSource:
+    """Output rows start .. start + count of a [rows, cols] matrix (a vector: its elements)."""
+    shape = src.info.shape
+    rows = shape[0]
+    if start < 0 or start + count > rows:
+        raise ModelLoadError(f"{src.path}: tensor {src.info.name}: rows {start}..{start + count} out of {rows}")
+    if start == 0 and count == rows:
+        return src
+    raw = src.raw.reshape(rows, -1)[start : start + count]
+    return _with_shape(src, raw, (count, *shape[1:]))
+
+
+def slice_cols(src: WeightSource, start: int, count: int) -> WeightSource:
+    """Input columns start .. start + count of a [rows, cols] matrix, in whole quantization blocks."""
+    rows, cols = src.info.shape
+    if start == 0 and count == cols:
+        return src
+    qk = spec_for(src.info.type_id).block_size
+    if start % qk or count % qk or start + count > cols:
+        raise ModelLoadError(
+            f"{src.path}: tensor {src.info.name} ({src.info.type_name}): columns {start}..{start + count} "
+            f"would cut its {qk}-element blocks"
+        )
+    ts = spec_for(src.info.type_id).type_size
+    raw = src.raw.reshape(rows, -1)[:, start // qk * ts : (start + count) // qk * ts].contiguous()
+    return _with_shape(src, raw, (rows, count))
+
+
+def vocab_slice(vocab: int, tp: int, lane: int) -> tuple[int, int, int]:
+    """(first row, rows, padded width) of a lane's vocabulary slice: ceil(vocab / tp) rows per lane, the
+    last lane fewer; every lane's logits are padded to the same width for the gather."""
+    per = -(-vocab // tp)
+    start = min(lane * per, vocab)
+    return start, min(per, vocab - start), per

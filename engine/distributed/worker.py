@@ -1,0 +1,152 @@
+"""One rank's share of a step: `StageWorker.run(plan)` computes its stage's layers for every micro-batch of
+the plan, passing activations down the pipeline and the logits back to rank 0.
+
+    rank 0                      broadcast plan ──> every rank                         (engine/executor.py)
+    stage 0 ... stage p-1       for each micro-batch: recv h (or embed), layers, send h (or head)
+    last stage, lane 0          logits of each micro-batch ──> rank 0, which samples
+
+Micro-batches: the step's sequences in up to `n_copies` contiguous groups of about equal tokens (default:
+as many as there are stages; GGML_SCHED_N_COPIES overrides), so stage s works on group g while stage s + 1
+works on group g - 1. Sends are asynchronous; the logits travel on a process group of their own so that
+rank 0's receives never queue behind its own sends to stage 1.
+
+`worker_main` is the body of every rank other than 0: spawned by the server on one node, or started by
+torchrun across nodes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from vegaserve.engine.distributed.communicator import Communicator
+from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.layers.attention import KVCache
+from vegaserve.engine.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a rank needs for one step; plain Python, so it pickles small."""
+
+    seqs: list[tuple[list[int], int, list[int]]]  # (slots of positions 0 .. start + n - 1, start, new tokens)
+    all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
+
+
+def micro_batches(plan: StepPlan, n: int) -> list[StepPlan]:
+    """Split into at most n contiguous groups of about equal token counts (each non-empty)."""
+    n = max(1, min(n, len(plan.seqs)))
+    if n == 1:
+        return [plan]
+    sizes = [len(t) for _, _, t in plan.seqs]
+    total = sum(sizes)
+    groups: list[StepPlan] = []
+    start, acc = 0, 0
+    for g in range(1, n):
+        end = start + 1
+        acc += sizes[start]
+        # close group g once it holds g/n of the tokens, leaving a sequence for each group after it
+        while end < len(sizes) - (n - g) and acc + sizes[end] <= total * g / n:
+            acc += sizes[end]
+            end += 1
+        groups.append(StepPlan(plan.seqs[start:end], plan.all_logits[start:end]))
+        start = end
+    groups.append(StepPlan(plan.seqs[start:], plan.all_logits[start:]))
+    return groups
+
+
+def logits_rows(plan: StepPlan) -> int:
+    return sum(len(t) if every else 1 for (_, _, t), every in zip(plan.seqs, plan.all_logits, strict=True))
+
+
+class StageWorker:
+    """The model share and KV cache of one rank."""
+
+    def __init__(self, model: LlamaModel, comm: Communicator, num_slots: int, device: torch.device,
+                 n_copies: int | None = None) -> None:
+        self.model = model
+        self.comm = comm
+        self.device = device
+        cfg = model.cfg
+        self.cache = KVCache(len(model.layers), num_slots, model.kv_heads, cfg.head_dim, torch.float32, device)
+        self.n_copies = n_copies or comm.topo.pp
+        self.hidden = cfg.hidden_size
+        self.vocab = cfg.vocab_size
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere."""
+        comm, model = self.comm, self.model
+        groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
+        pending = []
+        logits: list[torch.Tensor] = []
+        for g in groups:
+            fb = ForwardBatch.build(g.seqs, g.all_logits, self.device)
+            if comm.is_first_stage:
+                h = model.embed_tokens(fb)
+            else:
+                h = comm.recv_prev((fb.input_ids.numel(), self.hidden), torch.float32, self.device)
+            h = model.run_layers(h, self.cache, fb)
+            if not comm.is_last_stage:
+                pending.append(comm.send_next(h))
+                continue
+            out = model.head(h, fb)
+            if comm.rank == 0:
+                logits.append(out)
+            elif comm.lane == 0:
+                pending.append(comm.send_to_rank0(out))
+        if comm.rank == 0 and not comm.is_last_stage:
+            logits = [comm.recv_from_last((logits_rows(g), self.vocab), torch.float32, self.device) for g in groups]
+        for p in pending:
+            p.wait()
+        if comm.rank != 0:
+            return None
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+
+def _die_with_parent() -> None:
+    """A spawned worker must not outlive the server: the kernel signals it when the parent goes (Linux),
+    and a watcher thread covers the rest."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, launch: object, spawned: bool = True) -> None:
+    """Body of ranks 1 .. n-1: join the group, load this rank's share, then run the plans rank 0 sends
+    until it sends None. `launch` is engine/executor.py's Launch."""
+    from vegaserve.engine.executor import build_rank  # the loader lives with the executor
+
+    if spawned:
+        _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    worker = build_rank(launch, rank)  # type: ignore[arg-type]
+    comm = worker.comm
+    try:
+        while True:
+            plan = comm.broadcast_plan()
+            if plan is None:
+                break
+            worker.run(plan)  # type: ignore[arg-type]
+    finally:
+        comm.close()
