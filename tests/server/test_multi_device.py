@@ -203,3 +203,43 @@ def test_a_killed_worker_fails_the_stream_gives_503_and_the_server_exits(models)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_torchrun_starts_the_ranks_and_rank_0_serves(models, single) -> None:
+    """Several nodes are launched by torchrun; here two ranks on one host, the same code path."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this python")
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, rdzv = a.getsockname()[1], b.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "-m", "vegaserve.server", "serve", "--device", "cpu",
+         "-m", str(models["qwen2"]), "-c", "256", "-np", "4", "-sm", "tensor", "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": PROMPTS[1], "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == single["qwen2"][2][1]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
