@@ -59,6 +59,7 @@ class Launch:
     init_method: str
     threads: int  # torch CPU threads per rank (CPU ranks)
     torchrun: bool = False
+    shared_gpus: bool = False  # more ranks than GPUs (a test setup): ranks share GPUs round-robin, over gloo
 
 
 def count_devices(config: EngineConfig) -> int:
@@ -104,7 +105,8 @@ def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[
     if config.parallel.device_memory_gib:
         return int(config.parallel.device_memory_gib * 2**30), "--device-memory"
     if device_type == "cuda":
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(world)), "the smallest GPU"
+        n = min(world, torch.cuda.device_count())
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) * n // world, "the smallest GPU"
     with open("/proc/meminfo") as f:
         avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
     return (avail // world, "available host memory") if avail else (0, "")
@@ -133,6 +135,10 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
         init_method="env://" if torchrun_world else f"tcp://127.0.0.1:{_free_port()}",
         threads=max(1, cores // topo.world_size), torchrun=bool(torchrun_world),
     )
+    if device.type == "cuda" and not torchrun_world and topo.world_size > torch.cuda.device_count():
+        log.warning("%d ranks on %d GPU(s): ranks share GPUs and talk over gloo (for testing; slow)",
+                    topo.world_size, torch.cuda.device_count())
+        launch = dataclasses.replace(launch, shared_gpus=True)
     limit, source = _device_memory(config, device.type, topo.world_size)
     if limit:
         for stage in range(topo.pp):
@@ -151,7 +157,7 @@ def rank_device(launch: Launch, rank: int) -> torch.device:
         return torch.device("cpu")
     from vegaserve.engine.env import local_rank
 
-    return torch.device("cuda", local_rank() if launch.torchrun else rank)
+    return torch.device("cuda", local_rank() if launch.torchrun else rank % torch.cuda.device_count())
 
 
 def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageWorker:
@@ -161,7 +167,7 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
         torch.set_num_threads(launch.threads)
     else:
         torch.cuda.set_device(device)
-    comm = TorchCommunicator(launch.topo, rank, launch.init_method, device)
+    comm = TorchCommunicator(launch.topo, rank, launch.init_method, device, gloo=launch.shared_gpus)
     cfg = launch.config
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(

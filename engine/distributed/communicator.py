@@ -98,13 +98,14 @@ class LocalCommunicator(Communicator):
 
 
 class TorchCommunicator(Communicator):
-    def __init__(self, topo: Topology, rank: int, init_method: str, device: torch.device) -> None:
+    def __init__(self, topo: Topology, rank: int, init_method: str, device: torch.device, gloo: bool = False) -> None:
+        """gloo: tensors over gloo even on GPUs (several ranks sharing one GPU, which NCCL refuses)."""
         self.topo = topo
         self.rank = rank
         self.device = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" and not gloo else "gloo"
         kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
+        if backend == "nccl":
             kwargs["device_id"] = device  # binds NCCL to this rank's GPU at once
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=topo.world_size,
                                 timeout=_IDLE_TIMEOUT, **kwargs)
