@@ -1,0 +1,152 @@
+"""What the paged-attention kernels share: the cache layout, one online-softmax step over a tile of keys,
+the input checks, the launch parameters per backend and the gather the torch references use.
+
+Layout, one layer: k_cache / v_cache [num_slots, kv_heads, head_dim]. Position p of sequence s lives in slot
+block_tables[s, p // page_size] * page_size + p % page_size (engine/kv_cache.py; page size 1 makes the
+table a plain slot list). q and the output are [T, heads, head_dim]; heads = group * kv_heads and query
+head h reads kv head h // group (GQA).
+
+Softmax in base 2: a score is (q . k) * scale * log2(e), so 2^score is e^((q . k) * scale). Per query row
+the kernels keep the running maximum m, the sum l of 2^(score - m) and acc = sum 2^(score - m) v, all f32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Launch parameters per backend; a tuning file (configs/kernels/<target>.json) overrides them under
+# "attention": {"decode": {...}, "prefill": {...}}. block_n: keys per tile; partition: the most keys one
+# decode program takes (halved while the grid has fewer than min_programs programs, 2 per compute unit by
+# default); block_m: query rows (tokens x heads of one group) per prefill program. The other keys are
+# compiler options.
+# NVIDIA (warp 32, tensor cores): 16-row head tiles for the decode mma, 128x64 prefill tiles on 8 warps.
+# gfx906 (wave64, no matrix cores): tl.dot lowers to FMA / packed fp16 dot2, so the prefill tile is halved
+#   to keep the f32 accumulator in registers; 4 warps are 256 lanes there; waves_per_eu=2 leaves the
+#   register file to two waves per SIMD instead of spilling.
+_FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
+    "cuda": {
+        "decode": {"block_n": 64, "partition": 512, "num_warps": 4, "num_stages": 2},
+        "prefill": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    },
+    "hip": {
+        "decode": {"block_n": 32, "partition": 512, "num_warps": 4, "waves_per_eu": 2},
+        "prefill": {"block_m": 64, "block_n": 32, "num_warps": 4, "waves_per_eu": 2},
+    },
+}
+META_KEYS = ("block_n", "partition", "min_programs", "block_m")
+
+
+@lru_cache(maxsize=4)
+def _tuned(op: str) -> tuple[tuple[str, Any], ...]:
+    from vegaserve.triton_kernels.tuning import load_tuning
+
+    t = load_tuning()
+    return tuple({**_FALLBACK[t.backend][op], **t.table.get("attention", {}).get(op, {})}.items())
+
+
+def launch_params(op: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta-parameters, compiler options) for `decode` or `prefill`, the caller's overrides on top."""
+    p = {**dict(_tuned(op)), **overrides}
+    return {k: v for k, v in p.items() if k in META_KEYS}, {k: v for k, v in p.items() if k not in META_KEYS}
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) after the checks every launcher shares."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q [T, H, D] and caches [slots, KV, D] expected, got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    H, D = q.shape[1], q.shape[2]
+    KV = k_cache.shape[1]
+    if k_cache.shape[2] != D or H % KV:
+        raise ValueError(f"{H} query heads of {D} over {KV} kv heads of {k_cache.shape[2]}: heads must be a "
+                         "multiple of kv heads and head sizes equal")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {D} is above the {MAX_HEAD_DIM} the kernels hold in registers")
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype}: one of f32, f16, bf16 for both")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("the caches must be contiguous along head_dim")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"block tables and seq lens are int32, got {block_tables.dtype}, {seq_lens.dtype}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1 or seq_lens.shape != (block_tables.shape[0],):
+        raise ValueError(f"block tables [S, blocks] (rows contiguous) and seq lens [S] expected, got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    return H, KV, D
+
+
+def head_tiles(D: int, dtype: torch.dtype) -> tuple[int, bool]:
+    """(BLOCK_D, DOT_F32): head_dim padded to a power of two (at least 16, tl.dot's smallest K); f32
+    caches multiply in f32 with IEEE products, f16/bf16 ones in their own type with f32 accumulation."""
+    return max(16, triton.next_power_of_2(D)), dtype == torch.float32
+
+
+@triton.jit
+def attend_tile(
+    acc, l, m, q, k_head, v_head, table,  # running state [R, BLOCK_D] / [R] / [R], q [R, BLOCK_D], pointers
+    kstart, hi, qpos, qk_scale,  # first key position of the tile, end of the keys, query positions [R]
+    stride_ks, stride_vs,  # cache slot strides
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Fold keys kstart .. kstart + BLOCK_N - 1 (those below hi; with CAUSAL also at most qpos) into the
+    softmax state of the rows of q. k_head / v_head point at the tile's kv head in slot 0, table at the
+    sequence's block table row. The caller guarantees every row sees a key in its first tile, so m is
+    finite after it and no 2^(-inf - -inf) arises."""
+    pos = kstart + tl.arange(0, BLOCK_N)
+    kmask = pos < hi
+    d = tl.arange(0, BLOCK_D)
+    page = tl.load(table + pos // PAGE, mask=kmask, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    lmask = kmask[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=lmask, other=0.0)
+    v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=lmask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    visible = kmask[None, :]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= qpos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DOT_F32:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l, m_new
+
+
+def gather_keys(cache: torch.Tensor, table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """[length, KV, D] of a sequence's positions 0 .. length - 1 read through its block table row."""
+    pos = torch.arange(length, device=cache.device)
+    slots = table_row.to(cache.device).long()[pos // page_size] * page_size + pos % page_size
+    return cache[slots]
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                        scale: float) -> torch.Tensor:
+    """Float64 softmax(q k^T * scale) v of one sequence: q [n, H, D] at positions start .. start + n - 1,
+    keys/values [start + n, KV, D]; query i sees keys 0 .. start + i."""
+    n, H, _ = q.shape
+    group = H // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
+    qpos = torch.arange(start, start + n, device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] > qpos, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v).transpose(0, 1)  # [n, H, D]

@@ -1,0 +1,174 @@
+"""Decode attention over the paged KV cache: one query token per sequence, flash-decoding.
+
+    split    grid (seqs, kv_heads, partitions). A program takes the `group` query heads of one kv head
+             (GQA: each K/V tile is loaded once for the whole group; the head rows are padded to 16, the
+             smallest tl.dot tile) and the key positions [part * PARTITION, (part + 1) * PARTITION) of its
+             sequence, walks them in BLOCK_N tiles with the online softmax of attention_common.py and writes
+             o_p = acc / l and lse_p = m + log2(l) (f32, base 2). A partition past the sequence's end runs
+             no tile and writes lse_p = -inf, o_p = 0.
+    combine  grid (seqs, heads): out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M), M = max_p lse_p.
+With one partition the split kernel writes the output itself and the combine is skipped. Partitions halve
+(down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
+
+Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels.attention_common import (
+    LOG2E,
+    attend_tile,
+    check_inputs,
+    gather_keys,
+    head_tiles,
+    launch_params,
+    reference_attention,
+)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
+    qk_scale, num_partitions,  # scalars
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    DOT_F32: tl.constexpr, SINGLE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = part * PARTITION
+    hi = tl.minimum(lo + PARTITION, seq_len)
+    qpos = tl.zeros([BLOCK_G], tl.int32)  # unused: the one query sees every key
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+    table = table_ptr + seq.to(tl.int64) * stride_ts
+    for kstart in range(lo, hi, BLOCK_N):
+        acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
+                                stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, False, DOT_F32)
+
+    l_safe = tl.where(l > 0, l, 1.0)  # an empty partition: m = -inf, acc = 0, so o = 0 and lse = -inf
+    o = acc / l_safe[:, None]
+    if SINGLE:
+        dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part  # [S, H, P]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
+        tl.store(part_lse_ptr + row, m + tl.log2(l_safe), mask=g < GROUP)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
+    num_partitions,  # sizes
+    stride_os, stride_oh,  # strides
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,  # meta
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    # two passes over the partitions in BLOCK_P chunks: the maximum, then the weighted sums
+    mx = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    for p0 in range(0, num_partitions, BLOCK_P):
+        lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < num_partitions, other=float("-inf"))
+        mx = tl.maximum(mx, lse)
+    big = tl.max(mx, 0)  # finite: a sequence has at least one key, so one partition is not empty
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    wsum = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in range(0, num_partitions, BLOCK_P):
+        pmask = p0 + p < num_partitions
+        w = tl.exp2(tl.load(part_lse_ptr + row + p0 + p, mask=pmask, other=float("-inf")) - big)
+        o = tl.load(part_o_ptr + (row + p0 + p)[:, None] * HEAD_DIM + d[None, :],
+                    mask=pmask[:, None] & dmask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        wsum += w
+    out = acc / tl.sum(wsum, 0)
+    dst = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@lru_cache(maxsize=8)
+def _compute_units(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # the interpreter: nothing to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
+                     out: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
+    """q [S, H, D]: the one new token of each sequence (its k/v already in the cache); block_tables
+    [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
+    so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params."""
+    H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    S = q.shape[0]
+    if seq_lens.shape[0] != S:
+        raise ValueError(f"decode takes one query per sequence: {S} rows for {seq_lens.shape[0]} sequences")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    meta, opts = launch_params("decode", params)
+    block_n, partition = meta["block_n"], meta["partition"]
+    if partition % block_n or block_n & (block_n - 1) or block_n < 16:
+        raise ValueError(f"decode: block_n {block_n} (a power of two >= 16) must divide partition {partition}")
+    min_programs = meta.get("min_programs", 2 * _compute_units(q.device))
+    while partition > block_n and S * KV * triton.cdiv(max_seq_len, partition) < min_programs:
+        partition //= 2
+    n_part = triton.cdiv(max_seq_len, partition)
+    group = H // KV
+    block_d, dot_f32 = head_tiles(D, k_cache.dtype)
+    if out is None:
+        out = torch.empty_like(q)
+    single = n_part == 1
+    part_o = out if single else torch.empty(S, H, n_part, D, dtype=torch.float32, device=q.device)
+    part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(S, KV, n_part)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
+        scale * LOG2E, n_part,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, **opts,
+    )
+    if not single:
+        _decode_combine_kernel[(S, H)](
+            part_o, part_lse, out, n_part, out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d,
+        )
+    return out
+
+
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
+    """Float64 [S, H, D]: each sequence's one query against all its keys, gathered slot by slot."""
+    out = []
+    for s, length in enumerate(seq_lens.tolist()):
+        keys = gather_keys(k_cache, block_tables[s], length, page_size)
+        values = gather_keys(v_cache, block_tables[s], length, page_size)
+        out.append(reference_attention(q[s : s + 1], keys, values, length - 1, scale)[0])
+    return torch.stack(out)
