@@ -1,7 +1,11 @@
-"""Causal self-attention over the paged KV cache, with GQA (torch reference; the Triton kernels follow).
+"""Causal self-attention over the paged KV cache, with GQA.
 
 The cache is one pool of slots per layer: k/v of shape [layers, num_slots, kv_heads, head_dim], slot =
-block_id * block_size + offset (engine/kv_cache.py). A sequence's keys are gathered through its slot list.
+block_id * block_size + offset (engine/kv_cache.py). `cached_attention` writes the new tokens' k/v and
+attends: on a GPU through the Triton kernels (`paged_attention`: block tables from ForwardBatch.attention,
+triton_kernels/attention.py), on a CPU through torch (`torch_attention`: each sequence's keys gathered
+through its slot list, then SDPA). Both give the same result; the kernels are checked against float64
+references and against `torch_attention` in tests/triton_kernels/test_attention.py.
 """
 
 from __future__ import annotations
@@ -28,6 +32,29 @@ def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache; returns [T, H, D]."""
+    if q.device.type == "cuda":  # ROCm builds of torch name HIP devices "cuda" as well
+        return paged_attention(q, k, v, layer, cache, batch, scale)
+    return torch_attention(q, k, v, layer, cache, batch, scale)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """cached_attention through the Triton kernels: decode when every sequence brings one token, else the
+    prefill kernel for the whole (possibly mixed) batch."""
+    from vegaserve.triton_kernels.attention import attend, write_kv  # Triton only where the kernels run
+
+    a = batch.attention
+    kc, vc = cache.k[layer], cache.v[layer]
+    write_kv(kc, vc, a.new_slots, k, v)
+    return attend(q, kc, vc, a.block_tables, a.seq_lens, a.query_start, scale, a.page_size, a.max_seq_len,
+                  a.max_query_len)
+
+
+def torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """cached_attention in torch, one sequence at a time: the CPU path."""
     out = torch.empty_like(q)
     kc, vc = cache.k[layer], cache.v[layer]
     for s in batch.seqs:
