@@ -21,7 +21,9 @@ from vegaserve.engine.distributed.worker import StepPlan
 
 
 def plan(batch: int, context: int) -> StepPlan:
-    return StepPlan([(list(range(i * context, (i + 1) * context)), context - 1, [i]) for i in range(batch)], [False] * batch)
+    n_blocks = -(-context // 16)
+    return StepPlan([(list(range(i * n_blocks, (i + 1) * n_blocks)), context - 1, [i]) for i in range(batch)],
+                    [False] * batch, 16)
 
 
 def run(rank: int, port: int, cases: list[tuple[int, int]], reps: int) -> None:

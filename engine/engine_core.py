@@ -64,7 +64,7 @@ class EngineCore:
                                   torchrun_world=started[1] if started else 0)
         self.executor = start_executor(self.launch, self.device, self.gguf, show_progress)
         self.pool = BlockPool(num_blocks, bs)
-        self.runner = ModelRunner(self.executor)
+        self.runner = ModelRunner(self.executor, bs)
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -157,7 +157,8 @@ class EngineCore:
         table = BlockTable(self.pool)
         table.append_slots(len(token_ids))
         try:
-            return self.executor.forward(StepPlan([(table.slot_mapping(0, len(token_ids)), 0, token_ids)], [all_rows]))
+            plan = StepPlan([(table.blocks_of(len(token_ids)), 0, token_ids)], [all_rows], self.pool.block_size)
+            return self.executor.forward(plan)
         finally:
             table.release()
 

@@ -216,6 +216,12 @@ class BlockTable:
         self.num_slots += n_tokens
         return new
 
+    def blocks_of(self, n_tokens: int) -> list[int]:
+        """The blocks holding positions 0 .. n_tokens - 1."""
+        if n_tokens > self.num_slots:
+            raise IndexError(f"{n_tokens} positions but only {self.num_slots} slots held")
+        return self.block_ids[: -(-n_tokens // self.pool.block_size)]
+
     def slot_mapping(self, start: int, n: int) -> list[int]:
         """Physical slots of positions start .. start+n-1: block_id * block_size + offset in the block."""
         if start < 0 or n < 0 or start + n > self.num_slots:

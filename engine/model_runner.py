@@ -30,8 +30,9 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, block_size: int) -> None:
         self.executor = executor
+        self.block_size = block_size
         self.sampler = Sampler()
 
     @property
@@ -43,7 +44,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         # a request that wants prompt logprobs needs logits for every prompt row it computes
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
-        plan = StepPlan([(s.slots, s.start, s.tokens) for s in batch.seqs], wants_prompt)
+        plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.block_size)
         logits = self.executor.forward(plan)
         results: list[SeqResult] = []
         last_rows: list[int] = []

@@ -51,6 +51,15 @@ class Request:
             gen.manual_seed(req.params.seed)
         return cls(req.request_id, list(req.prompt_token_ids), req.params, max_new_tokens, generator=gen)
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """all_ids[start : start + n] without building all_ids (a decode step reads one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -70,7 +79,7 @@ class ScheduledSeq:
     request: Request
     start: int  # = request.num_computed at schedule time
     tokens: list[int]  # the tokens computed this step
-    slots: list[int]  # cache slots of positions 0 .. start + len(tokens) - 1
+    block_ids: list[int]  # KV blocks of positions 0 .. start + len(tokens) - 1, in order
 
     @property
     def samples(self) -> bool:
@@ -121,7 +130,7 @@ class Scheduler:
             if not self._grow(req, n):
                 continue
             start = req.num_computed
-            seqs.append(ScheduledSeq(req, start, req.all_ids[start : start + n], req.table.slot_mapping(0, start + n)))
+            seqs.append(ScheduledSeq(req, start, req.token_slice(start, n), req.table.blocks_of(start + n)))
             budget -= n
         return ScheduledBatch(seqs)
 

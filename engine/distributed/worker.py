@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 class StepPlan:
     """Everything a rank needs for one step; plain Python, so it pickles small."""
 
-    seqs: list[tuple[list[int], int, list[int]]]  # (slots of positions 0 .. start + n - 1, start, new tokens)
+    seqs: list[tuple[list[int], int, list[int]]]  # (KV blocks of positions 0 .. start + n - 1, start, new tokens)
     all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
+    block_size: int  # tokens per KV block: position p is in slot blocks[p // bs] * bs + p % bs
 
 
 def micro_batches(plan: StepPlan, n: int) -> list[StepPlan]:
@@ -58,9 +59,9 @@ def micro_batches(plan: StepPlan, n: int) -> list[StepPlan]:
         while end < len(sizes) - (n - g) and acc + sizes[end] <= total * g / n:
             acc += sizes[end]
             end += 1
-        groups.append(StepPlan(plan.seqs[start:end], plan.all_logits[start:end]))
+        groups.append(StepPlan(plan.seqs[start:end], plan.all_logits[start:end], plan.block_size))
         start = end
-    groups.append(StepPlan(plan.seqs[start:], plan.all_logits[start:]))
+    groups.append(StepPlan(plan.seqs[start:], plan.all_logits[start:], plan.block_size))
     return groups
 
 
@@ -90,7 +91,7 @@ class StageWorker:
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
-            fb = ForwardBatch.build(g.seqs, g.all_logits, self.device)
+            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size)
             if comm.is_first_stage:
                 h = model.embed_tokens(fb)
             else:
@@ -111,6 +112,18 @@ class StageWorker:
         if comm.rank != 0:
             return None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+
+    def _with_slots(self, plan: StepPlan) -> list[tuple[torch.Tensor, int, list[int]]]:
+        """(slots of positions 0 .. start + n - 1, start, tokens): the slots expanded from the block ids on
+        this rank (the plan carries one id per block, not one slot per token)."""
+        bs = plan.block_size
+        offsets = torch.arange(bs)
+        out = []
+        for blocks, start, tokens in plan.seqs:
+            slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + offsets).reshape(-1)
+            out.append((slots[: start + len(tokens)], start, tokens))
+        return out
 
 
 def _die_with_parent() -> None:

@@ -161,16 +161,16 @@ def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
         first = []
         for table, ids in zip(tables[:4], seqs[:4]):
             table.append_slots(len(ids) - 1)
-            first.append((table.slot_mapping(0, len(ids) - 1), 0, ids[:-1]))
-        smollm2_core.executor.forward(StepPlan(first, [False] * 4))
+            first.append((table.blocks_of(len(ids) - 1), 0, ids[:-1]))
+        smollm2_core.executor.forward(StepPlan(first, [False] * 4, smollm2_core.pool.block_size))
         mixed = []
         for table, ids in zip(tables[:4], seqs[:4]):
             table.append_slots(1)
-            mixed.append((table.slot_mapping(0, len(ids)), len(ids) - 1, ids[-1:]))
+            mixed.append((table.blocks_of(len(ids)), len(ids) - 1, ids[-1:]))
         for table, ids in zip(tables[4:], seqs[4:]):
             table.append_slots(len(ids))
-            mixed.append((table.slot_mapping(0, len(ids)), 0, ids))
-        logits = smollm2_core.executor.forward(StepPlan(mixed, [False] * 8))
+            mixed.append((table.blocks_of(len(ids)), 0, ids))
+        logits = smollm2_core.executor.forward(StepPlan(mixed, [False] * 8, smollm2_core.pool.block_size))
     finally:
         for table in tables:
             table.release()

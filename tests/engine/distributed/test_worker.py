@@ -8,8 +8,8 @@ from vegaserve.engine.distributed.worker import StepPlan, logits_rows, micro_bat
 
 
 def plan_of(sizes: list[int]) -> StepPlan:
-    seqs = [(list(range(n)), 0, list(range(n))) for n in sizes]
-    return StepPlan(seqs, [i % 3 == 0 for i in range(len(sizes))])
+    seqs = [(list(range(-(-n // 16))), 0, list(range(n))) for n in sizes]
+    return StepPlan(seqs, [i % 3 == 0 for i in range(len(sizes))], 16)
 
 
 def test_micro_batches_keep_every_sequence_in_order() -> None:
