@@ -61,7 +61,8 @@ class ForwardBatch:
             if len(slots) != start + len(tokens):
                 raise ValueError(f"{len(slots)} slots for {start} cached + {len(tokens)} new positions")
             offset = len(ids)
-            slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+            slot_t = (slots.to(device) if isinstance(slots, torch.Tensor)
+                      else torch.tensor(slots, dtype=torch.int64, device=device))
             slices.append(SeqSlice(start=start, n=len(tokens), offset=offset, slots=slot_t))
             ids.extend(tokens)
             pos.extend(range(start, start + len(tokens)))
