@@ -109,7 +109,12 @@ class TorchCommunicator(Communicator):
             kwargs["device_id"] = device  # binds NCCL to this rank's GPU at once
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=topo.world_size,
                                 timeout=_IDLE_TIMEOUT, **kwargs)
+        self.staged = backend == "gloo" and device.type != "cpu"
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+        # the logits' way back to rank 0 is a communicator of its own: NCCL runs one communicator's
+        # operations in order, so rank 0's receive would otherwise wait behind its own sends to stage 1
+        last = topo.rank_of(topo.pp - 1, 0)
+        self.results = dist.new_group(sorted({0, last})) if last != 0 else None
         self.tp_group = None
         for stage in range(topo.pp):  # every rank creates every group, in the same order
             ranks = [topo.rank_of(stage, lane) for lane in range(topo.tp)]
@@ -120,31 +125,41 @@ class TorchCommunicator(Communicator):
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp_group is not None:
-            dist.all_reduce(t, group=self.tp_group)
+            w = self._wire(t)
+            dist.all_reduce(w, group=self.tp_group)
+            if w is not t:
+                t.copy_(w)
         return t
 
     def gather_vocab(self, t: torch.Tensor, vocab: int) -> torch.Tensor:
         if self.tp_group is None:
             return t[:, :vocab]
-        parts = [torch.empty_like(t) for _ in range(self.tp)]
-        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=-1)[:, :vocab]
+        w = self._wire(t)
+        parts = [torch.empty_like(w) for _ in range(self.tp)]
+        dist.all_gather(parts, w, group=self.tp_group)
+        return torch.cat(parts, dim=-1)[:, :vocab].to(t.device)
+
+    # gloo moves CPU tensors only between two ranks: GPU tensors on a gloo group go through host memory
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.staged else t.contiguous()
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int,
+              group: Any = None) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device="cpu" if self.staged else device)
+        dist.recv(t, src, group=group)
+        return t.to(device)
 
     def send_next(self, t: torch.Tensor) -> Any:
-        return dist.isend(t.contiguous(), self.topo.rank_of(self.stage + 1, self.lane))
+        return _Sent(self._wire(t), self.topo.rank_of(self.stage + 1, self.lane))
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, self.topo.rank_of(self.stage - 1, self.lane))
-        return t
+        return self._recv(shape, dtype, device, self.topo.rank_of(self.stage - 1, self.lane))
 
     def send_to_rank0(self, t: torch.Tensor) -> Any:
-        return dist.isend(t.contiguous(), 0)
+        return _Sent(self._wire(t), 0, self.results)
 
     def recv_from_last(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, self.topo.rank_of(self.topo.pp - 1, 0))
-        return t
+        return self._recv(shape, dtype, device, self.topo.rank_of(self.topo.pp - 1, 0), group=self.results)
 
     def broadcast_plan(self, plan: object | None = None) -> object:
         box = [plan]
@@ -154,3 +169,14 @@ class TorchCommunicator(Communicator):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Sent:
+    """An asynchronous send; holds its tensor until wait() (a staged copy would otherwise be freed)."""
+
+    def __init__(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.tensor = t
+        self.work = dist.isend(t, dst, group=group)
+
+    def wait(self) -> None:
+        self.work.wait()
