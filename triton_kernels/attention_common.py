@@ -28,18 +28,22 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # decode program takes (halved while the grid has fewer than min_programs programs, 2 per compute unit by
 # default); block_m: query rows (tokens x heads of one group) per prefill program. The other keys are
 # compiler options.
-# NVIDIA (warp 32, tensor cores): 16-row head tiles for the decode mma, 128x64 prefill tiles on 8 warps.
-# gfx906 (wave64, no matrix cores): tl.dot lowers to FMA / packed fp16 dot2, so the prefill tile is halved
-#   to keep the f32 accumulator in registers; 4 warps are 256 lanes there; waves_per_eu=2 leaves the
-#   register file to two waves per SIMD instead of spilling.
+# Not timed yet: chosen from the compilers' register reports for an f16 cache, head_dim 128, group 4
+# (Triton 3.9, compiled here without a GPU), the tiles that fit without spilling.
+# NVIDIA (warp 32, tensor cores), sm_90: decode 64-key tiles on 8 warps (193 registers, no stack; 4 warps
+#   spilled); prefill 128x64 on 8 warps (255 registers, no stack; 64- or 32-wide on 4 warps spilled).
+# gfx906 (wave64, so 8 warps are 512 lanes; no matrix cores: tl.dot lowers to FMA / fp16 dot2, and its
+#   operands sit in VGPRs): decode 16-key tiles on 8 warps (124 VGPRs, 2 waves per SIMD, no spills);
+#   prefill 32x16 on 4 warps (244 VGPRs, no spills). waves_per_eu=2 caps a wave at 128 VGPRs and spilled
+#   both kernels (89 to 498 VGPRs), so it is left out. f32 caches spill on both; they serve exact checks.
 _FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
     "cuda": {
-        "decode": {"block_n": 64, "partition": 512, "num_warps": 4, "num_stages": 2},
+        "decode": {"block_n": 64, "partition": 512, "num_warps": 8, "num_stages": 2},
         "prefill": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     },
     "hip": {
-        "decode": {"block_n": 32, "partition": 512, "num_warps": 4, "waves_per_eu": 2},
-        "prefill": {"block_m": 64, "block_n": 32, "num_warps": 4, "waves_per_eu": 2},
+        "decode": {"block_n": 16, "partition": 512, "num_warps": 8},
+        "prefill": {"block_m": 32, "block_n": 16, "num_warps": 4},
     },
 }
 META_KEYS = ("block_n", "partition", "min_programs", "block_m")
@@ -53,10 +57,19 @@ def _tuned(op: str) -> tuple[tuple[str, Any], ...]:
     return tuple({**_FALLBACK[t.backend][op], **t.table.get("attention", {}).get(op, {})}.items())
 
 
-def launch_params(op: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(meta-parameters, compiler options) for `decode` or `prefill`, the caller's overrides on top."""
-    p = {**dict(_tuned(op)), **overrides}
+def split_params(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta-parameters, compiler options)."""
     return {k: v for k, v in p.items() if k in META_KEYS}, {k: v for k, v in p.items() if k not in META_KEYS}
+
+
+def launch_params(op: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split launch parameters for `decode` or `prefill` on the active target, the caller's on top."""
+    return split_params({**dict(_tuned(op)), **overrides})
+
+
+def backend_fallback(backend: str, op: str) -> dict[str, Any]:
+    """The fixed rule for `cuda` or `hip`, whatever the active target."""
+    return dict(_FALLBACK[backend][op])
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,0 +1,52 @@
+"""The attention kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each backend's fallback
+launch parameters: the interpreter accepts code the compiler rejects, and these compilers need no GPU.
+
+Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). f16
+cache, Llama-3-8B's head_dim 128 and group 4.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import attention_decode as dec, attention_prefill as pre
+from vegaserve.triton_kernels.attention_common import backend_fallback, split_params
+
+backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
+types = {"q_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32",
+         "qstart_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+         "qk_scale": "fp32"}
+
+def build(fn, consts, opts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, consts), target=target, options=opts)
+
+meta, opts = split_params(backend_fallback(backend, "decode"))
+for single in (False, True):
+    build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
+          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single), opts)
+build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128), {})
+meta, opts = split_params(backend_fallback(backend, "prefill"))
+build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,
+      BLOCK_D=128, BLOCK_N=meta["block_n"], DOT_F32=False), opts)
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("backend,arch,warp", [("cuda", "90", 32), ("hip", "gfx906", 64)], ids=["sm90", "gfx906"])
+def test_kernels_compile_for_the_target_with_its_fallback_parameters(backend, arch, warp):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while the default is unset
+    done = subprocess.run([sys.executable, "-c", COMPILE, backend, arch, str(warp)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-4000:]
