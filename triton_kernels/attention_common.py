@@ -35,7 +35,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # gfx906 (wave64, so 8 warps are 512 lanes; no matrix cores: tl.dot lowers to FMA / fp16 dot2, and its
 #   operands sit in VGPRs): decode 16-key tiles on 8 warps (124 VGPRs, 2 waves per SIMD, no spills);
 #   prefill 32x16 on 4 warps (244 VGPRs, no spills). waves_per_eu=2 caps a wave at 128 VGPRs and spilled
-#   both kernels (89 to 498 VGPRs), so it is left out. f32 caches spill on both; they serve exact checks.
+#   both kernels (89 to 498 VGPRs spilled), so it is left out. f32 caches spill on both; they serve exact checks.
 _FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
     "cuda": {
         "decode": {"block_n": 64, "partition": 512, "num_warps": 8, "num_stages": 2},
