@@ -28,17 +28,20 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # decode program takes (halved while the grid has fewer than min_programs programs, 2 per compute unit by
 # default); block_m: query rows (tokens x heads of one group) per prefill program. The other keys are
 # compiler options.
-# Not timed yet: chosen from the compilers' register reports for an f16 cache, head_dim 128, group 4
-# (Triton 3.9, compiled here without a GPU), the tiles that fit without spilling.
-# NVIDIA (warp 32, tensor cores), sm_90: decode 64-key tiles on 8 warps (193 registers, no stack; 4 warps
-#   spilled); prefill 128x64 on 8 warps (255 registers, no stack; 64- or 32-wide on 4 warps spilled).
+# NVIDIA (warp 32, tensor cores), sm_90: the timed rule (docs/PERF.md, 2026-12-02 H200: decode at 64 x
+#   4096 reads K/V at 89% of copy bandwidth, prefill of 2048 at 47% of torch's flash SDPA): decode 64-key
+#   tiles on 4 warps, prefill 128x64 on 8 warps. ptxas (Triton 3.9) gives the decode 48 bytes of stack
+#   on 4 warps and none on 8 (193 registers): 8 warps is the first thing to time.
+# The gfx906 rule is not timed: from the compiler's register report for an f16 cache, head_dim 128, group
+#   4 (Triton 3.9, compiled without a GPU), the tiles that fit without spilling.
 # gfx906 (wave64, so 8 warps are 512 lanes; no matrix cores: tl.dot lowers to FMA / fp16 dot2, and its
 #   operands sit in VGPRs): decode 16-key tiles on 8 warps (124 VGPRs, 2 waves per SIMD, no spills);
 #   prefill 32x16 on 4 warps (244 VGPRs, no spills). waves_per_eu=2 caps a wave at 128 VGPRs and spilled
-#   both kernels (89 to 498 VGPRs spilled), so it is left out. f32 caches spill on both; they serve exact checks.
+#   both kernels (89 to 498 VGPRs spilled), so it is left out.
+# f32 caches spill on both backends; they serve the exact checks.
 _FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
     "cuda": {
-        "decode": {"block_n": 64, "partition": 512, "num_warps": 8, "num_stages": 2},
+        "decode": {"block_n": 64, "partition": 512, "num_warps": 4, "num_stages": 2},
         "prefill": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     },
     "hip": {
