@@ -60,6 +60,7 @@ class DecoderLayer(nn.Module):
         self.down = QuantLinear(self.ffn, [cfg.hidden_size], method)
         self.split = [q_size, kv_size, kv_size]
         self.full_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]  # before slicing
+        self.hidden, self.full_ffn = cfg.hidden_size, cfg.intermediate_size
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
@@ -75,15 +76,21 @@ class DecoderLayer(nn.Module):
                 w.vector(p + f"attn_{n}.bias", (full,))[rows[n][0] : sum(rows[n])]
                 for n, full in zip("qkv", self.full_sizes, strict=True)
             ]
-        self.qkv.load([slice_rows(w.source(p + f"attn_{n}.weight"), *rows[n]) for n in "qkv"], w.device, biases)
-        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight"), *q_rows)], w.device)
+        hidden, full = self.hidden, dict(zip("qkv", self.full_sizes, strict=True))
+        self.qkv.load(
+            [slice_rows(w.source(p + f"attn_{n}.weight", (full[n], hidden)), *rows[n]) for n in "qkv"], w.device, biases
+        )
+        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight", (hidden, full["q"])), *q_rows)], w.device)
         if self.q_norm is not None:
             self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (hd,))
             self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (hd,))
         self.ffn_norm.weight.data = w.vector(p + "ffn_norm.weight", self.ffn_norm.weight.shape)
         f = (self.lane * self.ffn, self.ffn)
-        self.gate_up.load([slice_rows(w.source(p + "ffn_gate.weight"), *f), slice_rows(w.source(p + "ffn_up.weight"), *f)], w.device)
-        self.down.load([slice_cols(w.source(p + "ffn_down.weight"), *f)], w.device)
+        up_shape = (self.full_ffn, hidden)
+        self.gate_up.load(
+            [slice_rows(w.source(p + f"ffn_{n}.weight", up_shape), *f) for n in ("gate", "up")], w.device
+        )
+        self.down.load([slice_cols(w.source(p + "ffn_down.weight", (hidden, self.full_ffn)), *f)], w.device)
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         T = h.shape[0]
@@ -124,7 +131,8 @@ class LlamaModel(nn.Module):
     def load(self, w: WeightLoader) -> None:
         cfg = self.cfg
         if self.embed is not None:
-            self.embed.load(slice_rows(w.source("token_embd.weight"), self.vocab0, self.embed.vocab), w.device)
+            table = w.source("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+            self.embed.load(slice_rows(table, self.vocab0, self.embed.vocab), w.device)
         freq_factors = w.vector("rope_freqs.weight", (cfg.rope_dim // 2,)) if "rope_freqs.weight" in w else None
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.rope_dim, cfg.rope_theta, self.max_positions, cfg.rope_scaling,
@@ -135,7 +143,7 @@ class LlamaModel(nn.Module):
         if self.lm_head is not None:
             self.norm.weight.data = w.vector("output_norm.weight", (cfg.hidden_size,))
             # a tied head multiplies by the embedding table itself
-            head = w.source("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+            head = w.source("token_embd.weight" if cfg.tied_embeddings else "output.weight", (cfg.vocab_size, cfg.hidden_size))
             self.lm_head.load([slice_rows(head, self.vocab0, self.lm_head.out_features)], w.device)
         # what other ranks load is not "unused"
         w.skip(n for n in w.names() if not self._owns(n))

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
-from vegaserve.engine.layers.linear import WeightSource, dequantize_source
+from vegaserve.engine.layers.linear import WeightSource, check_shape, dequantize_source
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,9 +27,14 @@ class WeightLoader:
     def __contains__(self, name: str) -> bool:
         return name in self.gguf
 
-    def source(self, name: str) -> WeightSource:
+    def source(self, name: str, shape: tuple[int, ...] | None = None) -> WeightSource:
+        """The tensor's canonical bytes; with `shape`, checked against the whole tensor the model expects
+        (before any lane slices it)."""
         self.used.add(name)
-        return WeightSource(self.gguf.info(name), self.gguf.raw(name), str(self.gguf.path))
+        src = WeightSource(self.gguf.info(name), self.gguf.raw(name), str(self.gguf.path))
+        if shape is not None:
+            check_shape(src, tuple(shape))
+        return src
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor dequantized to a dense `dtype` (default: the model's compute dtype) on the device."""
