@@ -36,6 +36,7 @@ from vegaserve.engine.distributed.topology import (
 )
 from vegaserve.engine.distributed.worker import StageWorker, StepPlan, worker_main
 from vegaserve.engine.gguf_file import GGUFFile
+from vegaserve.engine.layers.attention import kv_cache_dtype
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.registry import load_model
 from vegaserve.triton_kernels.dequant import spec_for
@@ -96,7 +97,8 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
         n += embd
     if stage == launch.topo.pp - 1:
         n += gguf.info("output.weight").n_bytes if "output.weight" in gguf else (embd if stage else 0)
-    kv = 2 * len(layers) * launch.num_slots * kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp) * arch.head_dim * 4
+    itemsize = torch.empty(0, dtype=kv_cache_dtype(launch.config.cache.kv_dtype, torch.device(launch.device_type))).element_size()
+    kv = 2 * len(layers) * launch.num_slots * kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp) * arch.head_dim * itemsize
     return n // launch.topo.tp + kv
 
 
@@ -174,7 +176,22 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
         tuning_file=cfg.kernels.tuning_file, comm=comm, layers=launch.stages[comm.stage],
     )
-    return StageWorker(loaded.model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies)
+    return make_worker(launch, loaded.model, comm, device)
+
+
+def make_worker(launch: Launch, model, comm, device: torch.device) -> StageWorker:
+    """The rank's worker: its KV cache in the configured type and, on a single GPU, its decode graphs."""
+    cfg = launch.config
+    bs = cfg.cache.block_size
+    graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
+    worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
+                         kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)
+    if graphs:
+        from vegaserve.engine.cuda_graphs import DecodeGraphs
+
+        worker.graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len, bs, device)
+        worker.graphs.capture()
+    return worker
 
 
 class WorkerGroup:
@@ -279,7 +296,7 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
             gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
             tuning_file=cfg.kernels.tuning_file,
         )
-        return Executor(StageWorker(loaded.model, LocalCommunicator(), launch.num_slots, device))
+        return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device))
     workers = None if launch.torchrun else WorkerGroup(launch)
     log.info("%s over %d processes; layers per stage: %s", launch.topo.describe(), launch.topo.world_size,
              ", ".join(f"{r.start}-{r.stop - 1}" for r in launch.stages))

@@ -15,6 +15,8 @@ from typing import Any
 from vegaserve.engine.config import ConfigError, EngineConfig, merge_trees
 from vegaserve.engine.env import config_from_env
 
+_KV_TYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}  # -ctk / -ctv spellings
+
 # flag dest -> (section, key); section None: top level
 _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "model": ("model", "path"),
@@ -22,6 +24,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "no_repack": ("model", "no_repack"),
     "alias": ("model", "served_model_name"),
     "ctx_size": ("cache", "context_size"),
+    "cache_type_k": ("cache", "kv_dtype"),
     "parallel": ("scheduler", "max_num_seqs"),
     "batch_size": ("scheduler", "max_num_batched_tokens"),
     "split_mode": ("parallel", "split_mode"),
@@ -48,6 +51,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-lm", "--load-mode", choices=["mmap", "read", "dio"], help="how weights are read (default mmap)")
     g.add_argument("--no-repack", action="store_const", const=True, help="keep canonical GGUF blocks on the device")
     g.add_argument("-c", "--ctx-size", type=int, help="context length in tokens (0: the model's)")
+    g.add_argument("-ctk", "--cache-type-k", choices=list(_KV_TYPES), help="KV cache type (default: f32 on a CPU; "
+                   "bf16 on GPUs with native bf16, f16 on others such as gfx906)")
+    g.add_argument("-ctv", "--cache-type-v", choices=list(_KV_TYPES), help="must equal -ctk: keys and values share one type")
     g.add_argument("--device", help="cpu, cuda, cuda:N (default: a GPU if present)")
     g.add_argument("-t", "--threads", type=int, help="CPU threads for torch")
     g.add_argument("--config", type=Path, help="YAML file of settings (configs/); flags override it")
@@ -109,10 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_tree_from_args(args: argparse.Namespace) -> dict[str, Any]:
     tree: dict[str, Any] = {}
+    k_type, v_type = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    if v_type is not None and v_type != (k_type or v_type):
+        raise ConfigError(f"-ctk {k_type} and -ctv {v_type} differ: keys and values share one cache type")
+    if k_type is None and v_type is not None:
+        args.cache_type_k = v_type
     for dest, (section, key) in _FLAG_TARGETS.items():
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if dest == "cache_type_k":
+            value = _KV_TYPES[value]
         if dest == "split_mode" and value == "row":
             value = "tensor"  # llama.cpp's row split is a tensor split
         if section is None:

@@ -73,12 +73,13 @@ class StageWorker:
     """The model share and KV cache of one rank."""
 
     def __init__(self, model: LlamaModel, comm: Communicator, num_slots: int, device: torch.device,
-                 n_copies: int | None = None) -> None:
+                 n_copies: int | None = None, kv_dtype: torch.dtype = torch.float32, spare_slots: int = 0) -> None:
         self.model = model
         self.comm = comm
         self.device = device
         cfg = model.cfg
-        self.cache = KVCache(len(model.layers), num_slots, model.kv_heads, cfg.head_dim, torch.float32, device)
+        self.cache = KVCache(len(model.layers), num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
+        self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
         self.vocab = cfg.vocab_size
@@ -86,6 +87,8 @@ class StageWorker:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere."""
+        if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
+            return self.graphs.run(plan.seqs)
         comm, model = self.comm, self.model
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
         pending = []

@@ -16,9 +16,30 @@ import torch.nn.functional as F
 from vegaserve.engine.forward_batch import ForwardBatch
 
 
+# GPU architectures (ROCm names) that compute in bf16 natively; the others (gfx906, gfx908, RDNA1/2) get f16
+_ROCM_BF16 = ("gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
+
+
+def kv_cache_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The cache type for config `cache.kv_dtype` (-ctk): auto is f32 on a CPU (the torch path attends
+    in f32), bf16 on GPUs with native bf16 (CUDA sm_80 and later, CDNA2+, RDNA3+), f16 on the rest."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    if device.type != "cuda":
+        return torch.float32
+    if torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return torch.bfloat16 if arch.startswith(_ROCM_BF16) else torch.float16
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+
+
 class KVCache:
-    def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (n_layers, num_slots, n_kv_heads, head_dim)
+    """k/v [layers, num_slots + spare, kv_heads, head_dim]. `spare` slots past num_slots belong to no
+    block of the pool: padded rows of a replayed decode graph write there (engine/cuda_graphs.py)."""
+
+    def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, spare: int = 0) -> None:
+        shape = (n_layers, num_slots + spare, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
@@ -32,7 +53,9 @@ def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache; returns [T, H, D]."""
-    if q.device.type == "cuda":  # ROCm builds of torch name HIP devices "cuda" as well
+    # ROCm builds of torch name HIP devices "cuda" as well; a batch without slot lists (a decode graph's
+    # static batch, engine/cuda_graphs.py) has only the kernels' inputs
+    if q.device.type == "cuda" or not batch.seqs:
         return paged_attention(q, k, v, layer, cache, batch, scale)
     return torch_attention(q, k, v, layer, cache, batch, scale)
 
@@ -61,11 +84,11 @@ def torch_attention(
         rows = slice(s.offset, s.offset + s.n)
         end = s.start + s.n
         new = s.slots[s.start : end]
-        kc[new] = k[rows]
-        vc[new] = v[rows]
+        kc[new] = k[rows].to(kc.dtype)
+        vc[new] = v[rows].to(vc.dtype)
         qs = q[rows].transpose(0, 1)  # [H, n, D]
-        ks = kc[s.slots].transpose(0, 1)  # [KV, L, D]
-        vs = vc[s.slots].transpose(0, 1)
+        ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
+        vs = vc[s.slots].to(q.dtype).transpose(0, 1)
         mask = None
         if s.n > 1:
             # query i sits at position start + i and sees keys 0 .. start + i

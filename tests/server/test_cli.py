@@ -63,6 +63,19 @@ def test_split_mode_row_is_a_tensor_split(given: str, split_mode: str) -> None:
     assert parse("serve", "-sm", given).parallel.split_mode == split_mode
 
 
+@pytest.mark.parametrize(("argv", "kv_dtype"), [
+    (["-ctk", "f16"], "float16"), (["-ctk", "bf16", "-ctv", "bf16"], "bfloat16"), (["-ctv", "f32"], "float32"),
+    ([], "auto"),
+])
+def test_cache_type_flags_set_the_kv_dtype(argv: list[str], kv_dtype: str) -> None:
+    assert parse("serve", *argv).cache.kv_dtype == kv_dtype
+
+
+def test_different_key_and_value_cache_types_are_refused() -> None:
+    with pytest.raises(ConfigError, match="-ctk f16 and -ctv bf16 differ"):
+        parse("serve", "-ctk", "f16", "-ctv", "bf16")
+
+
 def test_flags_not_given_leave_the_defaults() -> None:
     assert parse("serve") == EngineConfig()
     args = cli.build_parser().parse_args(["serve", "--port", "1234"])

@@ -1,0 +1,151 @@
+"""The serving engine's decode on one GPU: graphs against eager, single stream and many, in one process.
+
+One EngineCore (no HTTP) on the model; for each mode (decode graphs replayed, then the same engine with
+its graphs set aside, i.e. eager) and each stream count: --runs timed rounds after a warm-up round, every
+stream a random prompt of --prompt tokens and --gen greedy tokens (EOS ignored), all added at once.
+Decode rate = tokens after each stream's first / time from the step where every stream has its first
+token to the end. Also pp (one --pp-token prompt, time to its first token) and, per mode, the decode step
+of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
+
+    python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3]
+
+Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.request import GenerateRequest, SamplingParams
+from vegaserve.server.bench_cmd import _timed_request
+
+
+def decode_round(core: EngineCore, streams: int, prompt: int, gen: int, g: torch.Generator) -> float:
+    """Aggregate decode tokens/s of `streams` requests run together."""
+    vocab = core.arch.vocab_size
+    reqs = [GenerateRequest(torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+                            SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)) for _ in range(streams)]
+    for r in reqs:
+        core.add_request(r)
+    counts = {r.request_id: 0 for r in reqs}
+    t_all_first = None
+    while core.has_work:
+        for out in core.step():
+            counts[out.request_id] += len(out.token_ids)
+        if t_all_first is None and all(counts.values()):
+            t_all_first, at_first = time.perf_counter(), sum(counts.values())
+    end = time.perf_counter()
+    return (sum(counts.values()) - at_first) / (end - t_all_first)
+
+
+def greedy_tokens(core: EngineCore, n_streams: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    reqs = [GenerateRequest(torch.randint(0, core.arch.vocab_size, (8 + 13 * i,), generator=g).tolist(),
+                            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for i in range(n_streams)]
+    for r in reqs:
+        core.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while core.has_work:
+        for o in core.step():
+            out[o.request_id].extend(o.token_ids)
+    return [out[r.request_id] for r in reqs]
+
+
+def step_profile(core: EngineCore, steps: int, g: torch.Generator) -> tuple[float, float]:
+    """(wall ms per decode step of one stream, share of the step with no kernel running)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = core.arch.vocab_size
+    req = GenerateRequest(torch.randint(0, vocab, (16,), generator=g).tolist(),
+                          SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    core.add_request(req)
+    for _ in range(4):  # prefill and a few decode steps outside the window
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while core.has_work:
+        core.step()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    return wall / steps * 1e3, 1.0 - busy / (wall * 1e6)
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--streams", default="1,64")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--pp", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--kv-dtype", default="auto")
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    ctx = max(args.pp, args.prompt) + args.gen + 16
+    cfg = EngineConfig.from_dict({"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
+                                  "scheduler": {"max_num_seqs": max(streams), "max_num_batched_tokens": max(args.pp, 2048)},
+                                  "device": "cuda"})
+    t0 = time.perf_counter()
+    core = EngineCore(cfg, show_progress=False)
+    worker = core.runner.executor.worker
+    graphs = worker.graphs
+    print(f"loaded in {time.perf_counter() - t0:.1f} s; KV {worker.cache.k.dtype}; graphs {graphs.buckets if graphs else None}")
+    g = torch.Generator().manual_seed(0)
+    result: dict[str, object] = {"model": args.model, "kv_dtype": str(worker.cache.k.dtype)}
+    rows = []
+    if graphs is not None:  # the two modes must agree before their speeds mean anything
+        replayed = greedy_tokens(core, 3, 32, seed=1)
+        worker.graphs = None
+        eager = greedy_tokens(core, 3, 32, seed=1)
+        same = sum(a == b for a, b in zip(replayed, eager, strict=True))
+        result["greedy_identical_streams"] = same
+        rows.append(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
+    for mode in ("graphs", "eager"):
+        worker.graphs = graphs if mode == "graphs" else None
+        if mode == "graphs" and graphs is None:
+            continue
+        for n in streams:
+            rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
+            med = statistics.median(rates)
+            result[f"tg{args.gen}_{mode}_x{n}"] = med
+            rows.append((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
+        ms, outside = step_profile(core, args.profile_steps, g)
+        result[f"step_ms_{mode}"], result[f"outside_kernels_{mode}"] = ms, outside
+        rows.append(("decode step, 1 stream", mode, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
+    worker.graphs = graphs
+    if args.pp:
+        pps = [args.pp / _timed_request(core, args.pp, 1, g)[0] for _ in range(args.runs + 1)][1:]
+        result[f"pp{args.pp}"] = statistics.median(pps)
+        rows.append((f"pp{args.pp}", "-", f"{statistics.median(pps):.0f}", " ".join(f"{r:.0f}" for r in pps)))
+    print("| test | mode | median tok/s | runs |\n|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print(json.dumps(result))
+    core.close()
+
+
+if __name__ == "__main__":
+    main()

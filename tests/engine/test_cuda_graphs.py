@@ -1,0 +1,132 @@
+"""Decode graphs' static batch (engine/cuda_graphs.py) against the eager step, on a CPU: nothing is
+captured here, but the staging, the int64 widening, the padding to a bucket and the spare KV block are the
+same code a GPU replays. The attention kernels run under the interpreter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.cuda_graphs import DecodeGraphs, buckets_for
+from vegaserve.engine.distributed.worker import StepPlan
+from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.layers.attention import KVCache, kv_cache_dtype
+
+BLOCK = 16
+
+
+def test_buckets_stop_at_the_first_that_holds_max_seqs() -> None:
+    assert buckets_for(1) == (1,)
+    assert buckets_for(3) == (1, 2, 4)
+    assert buckets_for(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets_for(1000) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def test_kv_cache_type_follows_the_setting_and_the_device() -> None:
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype("auto", cpu) == torch.float32
+    assert kv_cache_dtype("float16", cpu) == torch.float16
+    assert kv_cache_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def core(gguf_factory, tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
+    path = gguf_factory.write_tiny_gguf(tmp_path_factory.mktemp("graphs") / "tiny.gguf", gguf_factory.TinySpec())
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
+           "scheduler": {"max_num_seqs": 4}, "device": "cpu"}
+    return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("lengths", [[5, 17, 33], [40], [3, 16, 1, 9]], ids=["padded-3-of-4", "one", "full-4"])
+def test_static_decode_batch_equals_the_eager_step(core: EngineCore, lengths: list[int]) -> None:
+    worker = core.runner.executor.worker
+    gen = torch.Generator().manual_seed(len(lengths))
+    vocab = core.arch.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + 1) // BLOCK)) for n in lengths]
+    try:
+        worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * len(lengths), BLOCK))
+        nxt = torch.randint(0, vocab, (len(lengths),), generator=gen).tolist()
+        plan = StepPlan([(b, n, [t]) for b, n, t in zip(blocks, lengths, nxt, strict=True)], [False] * len(lengths), BLOCK)
+        # the graphs' cache: the same KV plus a spare block, poisoned, that only padded rows may touch
+        cache = worker.cache
+        spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                        cache.k.device, spare=BLOCK)
+        for mine, theirs in ((spare.k, cache.k), (spare.v, cache.v)):
+            mine[:, : cache.num_slots] = theirs
+            mine[:, cache.num_slots :] = float("nan")
+        graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, BLOCK, torch.device("cpu"))
+        static = graphs.run(plan.seqs)
+        eager = worker.run(plan)
+        assert static.shape == eager.shape == (len(lengths), vocab)
+        assert rel(static, eager) < 1e-4
+        # every sequence's new k/v landed in its own slot, and nothing else in the pool changed
+        assert rel(spare.k[:, : cache.num_slots], cache.k) < 1e-6 and rel(spare.v[:, : cache.num_slots], cache.v) < 1e-6
+        # padded rows (a batch smaller than its bucket) write to the spare block, and only there
+        bucket = next(b for b in graphs.buckets if b >= len(lengths))
+        assert bool(torch.isfinite(spare.k[:, cache.num_slots :]).any()) == (len(lengths) < bucket)
+    finally:
+        for b in blocks:
+            core.pool.free(b)
+
+
+def test_only_one_token_decode_steps_fit(core: EngineCore) -> None:
+    worker = core.runner.executor.worker
+    graphs = DecodeGraphs(worker.model, KVCache(2, 64, 2, 64, torch.float32, torch.device("cpu"), spare=BLOCK),
+                          4, core.max_model_len, BLOCK, torch.device("cpu"))
+    assert graphs.fits([([0], 3, [1]), ([1], 0, [2])], [False, False])
+    assert not graphs.fits([([0], 3, [1, 2])], [False])  # a chunk
+    assert not graphs.fits([([0], 3, [1])], [True])  # prompt logprobs want every row
+    assert not graphs.fits([([i], 0, [1]) for i in range(5)], [False] * 5)  # more than the largest bucket
+    with pytest.raises(ValueError, match="spare KV block"):
+        DecodeGraphs(worker.model, KVCache(2, 64, 2, 64, torch.float32, torch.device("cpu")), 4, 256, BLOCK,
+                     torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU")
+def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path) -> None:
+    """Captured graphs against the same engine with its graphs set aside: logits of a padded decode step,
+    then 16 greedy tokens of three concurrent streams."""
+    path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
+           "scheduler": {"max_num_seqs": 4}, "device": "cuda"}
+    core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+    worker = core.runner.executor.worker
+    graphs = worker.graphs
+    assert graphs is not None and set(graphs.graphs) == {1, 2, 4}
+    assert worker.cache.k.dtype == kv_cache_dtype("auto", torch.device("cuda")) != torch.float32
+
+    def greedy(prompts: list[list[int]]) -> list[list[int]]:
+        from vegaserve.engine.request import GenerateRequest, SamplingParams
+
+        reqs = [GenerateRequest(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in prompts]
+        for r in reqs:
+            core.add_request(r)
+        out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while core.has_work:
+            for o in core.step():
+                out[o.request_id].extend(o.token_ids)
+        return [out[r.request_id] for r in reqs]
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, core.arch.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 40)]
+    blocks = [core.pool.allocate(-(-(len(p) + 1) // BLOCK)) for p in prompts]
+    worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, BLOCK))
+    plan = StepPlan([(b, len(p), [7]) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, BLOCK)
+    replayed = worker.run(plan).clone()
+    worker.graphs = None
+    eager = worker.run(plan)
+    assert rel(replayed, eager) < 1e-4
+    for b in blocks:
+        core.pool.free(b)
+    eager_tokens = greedy(prompts)
+    worker.graphs = graphs
+    assert greedy(prompts) == eager_tokens
