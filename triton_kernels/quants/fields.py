@@ -4,7 +4,16 @@
 # GGUF stores every multi-byte field little-endian; so do the hosts and GPUs we run on, so a field is read by
 # reinterpreting its bytes (`.view(dtype)`) rather than by assembling bytes arithmetically.
 
+from functools import lru_cache
+
 import torch
+
+
+@lru_cache(maxsize=64)
+def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small lookup table on `device`, made once: a host-to-device copy per call would not be allowed
+    inside a CUDA graph capture (engine/cuda_graphs.py), and costs a sync besides."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def as_blocks(raw: torch.Tensor, type_size: int) -> torch.Tensor:

@@ -8,7 +8,7 @@
 
 import torch
 
-from vegaserve.triton_kernels.quants.fields import as_blocks, f16_at, low_high_nibbles, to_rows
+from vegaserve.triton_kernels.quants.fields import as_blocks, constant, f16_at, low_high_nibbles, to_rows
 
 BLOCK = 32
 LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -16,6 +16,6 @@ LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 1
 
 def dequantize_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
     blocks = as_blocks(raw, 18)
-    levels = torch.tensor(LEVELS, dtype=torch.float32, device=raw.device)
+    levels = constant(LEVELS, torch.float32, raw.device)
     w = levels[low_high_nibbles(blocks[..., 2:]).to(torch.int32)]
     return to_rows(w.mul_(f16_at(blocks, 0)), blocks, BLOCK)

@@ -19,7 +19,7 @@
 
 import torch
 
-from vegaserve.triton_kernels.quants.fields import as_blocks, f16_at, low_high_nibbles, to_rows
+from vegaserve.triton_kernels.quants.fields import as_blocks, constant, f16_at, low_high_nibbles, to_rows
 
 SUPER_BLOCK = 256
 
@@ -64,7 +64,7 @@ def dequantize_q6_k(raw: torch.Tensor) -> torch.Tensor:
     blocks = as_blocks(raw, 210)
     lead = blocks.shape[:-1]
     low = low_high_nibbles(blocks[..., 0:128].reshape(*lead, 2, 64)).reshape(*lead, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).unsqueeze(-1)
+    shifts = constant((0, 2, 4, 6), torch.uint8, raw.device).unsqueeze(-1)
     high = ((blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 3).reshape(*lead, 8, 32)
     q = (low | (high << 4)).to(torch.float32).sub_(32.0).reshape(*lead, 16, 16)
     scale = f16_at(blocks, 208) * blocks[..., 192:208].view(torch.int8).to(torch.float32)

@@ -10,7 +10,7 @@
 
 import torch
 
-from vegaserve.triton_kernels.quants.fields import as_blocks, low_high_nibbles, to_rows
+from vegaserve.triton_kernels.quants.fields import as_blocks, constant, low_high_nibbles, to_rows
 
 BLOCK = 32
 DOUBLED_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -26,6 +26,6 @@ def half_scale(e: torch.Tensor) -> torch.Tensor:
 
 def dequantize_mxfp4(raw: torch.Tensor) -> torch.Tensor:
     blocks = as_blocks(raw, 17)
-    values = torch.tensor(DOUBLED_E2M1, dtype=torch.float32, device=raw.device)
+    values = constant(DOUBLED_E2M1, torch.float32, raw.device)
     w = values[low_high_nibbles(blocks[..., 1:]).to(torch.int32)]
     return to_rows(w.mul_(half_scale(blocks[..., 0:1])), blocks, BLOCK)
