@@ -9,14 +9,55 @@ cache slot of each of its positions 0 .. start+n-1 (engine/kv_cache.py: block_id
 tables, key counts and query offsets, built on the batch's device once per step, on first use. Block
 tables come from the slot lists: with the builder's block_size, entry j of a sequence is slots[j *
 block_size] // block_size; without it the page size is 1 and the table is the slot list itself.
+
+On a GPU, `build` packs every int64 it needs (ids, positions, logits rows, slots and the per-sequence
+figures the block tables derive from) into one pinned buffer and sends it in one copy (`HostStaging`,
+kept by the worker); decode steps that replay a graph do not build a ForwardBatch at all
+(engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
+
+
+class HostStaging:
+    """A step's int64 inputs to the device in one copy: packed into a pinned host buffer, copied into a
+    device buffer, handed out as views. Both buffers grow in powers of two and are kept, so a steady state
+    allocates nothing. On a CPU device the pieces are just tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.copied = None  # event: the last copy has read the host buffer
+
+    def upload(self, parts: list[Sequence[int] | np.ndarray]) -> list[torch.Tensor]:
+        if not self.pinned:
+            return [torch.as_tensor(np.asarray(p, dtype=np.int64)).to(self.device) for p in parts]
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self.host is None or self.host.numel() < total:
+            n = 1 << max(10, (total - 1).bit_length())
+            self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self.dev = torch.empty(n, dtype=torch.int64, device=self.device)
+            self.copied = torch.cuda.Event()
+        else:
+            self.copied.synchronize()  # the previous step's copy is done with the host buffer
+        host = self.host.numpy()
+        at = 0
+        for p, k in zip(parts, sizes, strict=True):
+            host[at : at + k] = p
+            at += k
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        self.copied.record()
+        return list(self.dev[:total].split(sizes))
 
 
 @dataclass(frozen=True)
@@ -47,51 +88,64 @@ class ForwardBatch:
     seqs: list[SeqSlice]
     logits_rows: torch.Tensor  # rows of the flat batch whose logits are wanted
     block_size: int | None = None  # of the KV pool the slots come from; None: attention pages of 1 slot
+    # per sequence, staged with the rest by build: first slot in the concatenation, last block, keys, and
+    # query_start; `attention` computes them where a batch was made without build
+    meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, list[int]]], all_logits: list[bool], device: torch.device,
-              block_size: int | None = None) -> ForwardBatch:
+    def build(cls, seqs: list[tuple[Sequence[int], int, list[int]]], all_logits: list[bool], device: torch.device,
+              block_size: int | None = None, staging: HostStaging | None = None) -> ForwardBatch:
         """seqs: (slots of positions 0..start+n-1, start, new token ids); all_logits[i]: logits for every new
-        token of sequence i, else for its last one. block_size: the KV pool's, for block tables."""
+        token of sequence i, else for its last one. block_size: the KV pool's, for block tables. staging:
+        where the host data goes to the device in one copy (else one tensor per piece)."""
         ids: list[int] = []
         pos: list[int] = []
-        slices: list[SeqSlice] = []
         rows: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (start, n, offset)
         for (slots, start, tokens), every in zip(seqs, all_logits, strict=True):
             if len(slots) != start + len(tokens):
                 raise ValueError(f"{len(slots)} slots for {start} cached + {len(tokens)} new positions")
             offset = len(ids)
-            slot_t = (slots.to(device) if isinstance(slots, torch.Tensor)
-                      else torch.tensor(slots, dtype=torch.int64, device=device))
-            slices.append(SeqSlice(start=start, n=len(tokens), offset=offset, slots=slot_t))
+            spans.append((start, len(tokens), offset))
             ids.extend(tokens)
             pos.extend(range(start, start + len(tokens)))
             rows.extend(range(offset, offset + len(tokens)) if every else [offset + len(tokens) - 1])
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_tensor(ids), as_tensor(pos), slices, as_tensor(rows), block_size)
+        page = block_size or 1
+        lens = [a + n for a, n, _ in spans]
+        firsts = np.cumsum([0, *lens[:-1]]).tolist()
+        last_blocks = [-(-length // page) - 1 for length in lens]
+        qstart = [*(o for _, _, o in spans), len(ids)]
+        staging = staging or HostStaging(device)
+        ids_t, pos_t, rows_t, *rest = staging.upload(
+            [ids, pos, rows, firsts, last_blocks, lens, qstart, *(slots for slots, _, _ in seqs)]
+        )
+        meta, slot_ts = tuple(rest[:4]), rest[4:]
+        slices = [SeqSlice(start=a, n=n, offset=o, slots=t) for (a, n, o), t in zip(spans, slot_ts, strict=True)]
+        return cls(ids_t, pos_t, slices, rows_t, block_size, meta)
 
     @cached_property
     def attention(self) -> AttentionInputs:
         page = self.block_size or 1
         lens = [s.start + s.n for s in self.seqs]
-        blocks = [-(-length // page) for length in lens]
-        firsts = [0]  # where each sequence's slots begin in the concatenation
-        qstart = [0]
-        for s, length in zip(self.seqs, lens, strict=True):
-            firsts.append(firsts[-1] + length)
-            qstart.append(qstart[-1] + s.n)
         device = self.input_ids.device
+        if self.meta is None:
+            firsts = np.cumsum([0, *lens[:-1]]).tolist()
+            qstart = [*(s.offset for s in self.seqs), self.input_ids.numel()]
+            as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+            meta = (as_t(firsts), as_t([-(-n // page) - 1 for n in lens]), as_t(lens), as_t(qstart))
+        else:
+            meta = self.meta
+        first, last_block, seq_lens, query_start = meta
         flat = torch.cat([s.slots for s in self.seqs])
-        first, last_block = torch.tensor([firsts[:-1], [b - 1 for b in blocks]], device=device)
-        j = torch.arange(max(blocks), device=device)
+        j = torch.arange(-(-max(lens) // page), device=device)
         # entry j of sequence s: the slot of its position j * page, divided by page (slot = block * page +
         # offset, so that is the block id); past the sequence's last block the last one repeats
         at = first[:, None] + torch.minimum(j[None, :], last_block[:, None]) * page
         tables = torch.div(flat[at], page, rounding_mode="floor").to(torch.int32)
         return AttentionInputs(
             block_tables=tables,
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            query_start=torch.tensor(qstart, dtype=torch.int32, device=device),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start=query_start.to(torch.int32),
             new_slots=torch.cat([s.slots[s.start :] for s in self.seqs]),
             page_size=page,
             max_seq_len=max(lens),

@@ -24,10 +24,11 @@ import sys
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vegaserve.engine.distributed.communicator import Communicator
-from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.forward_batch import ForwardBatch, HostStaging
 from vegaserve.engine.layers.attention import KVCache
 from vegaserve.engine.models.llama import LlamaModel
 
@@ -80,6 +81,7 @@ class StageWorker:
         cfg = model.cfg
         self.cache = KVCache(len(model.layers), num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
+        self.staging = HostStaging(device)
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
         self.vocab = cfg.vocab_size
@@ -94,7 +96,7 @@ class StageWorker:
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
-            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size)
+            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging)
             if comm.is_first_stage:
                 h = model.embed_tokens(fb)
             else:
@@ -117,14 +119,14 @@ class StageWorker:
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
-    def _with_slots(self, plan: StepPlan) -> list[tuple[torch.Tensor, int, list[int]]]:
+    def _with_slots(self, plan: StepPlan) -> list[tuple[np.ndarray, int, list[int]]]:
         """(slots of positions 0 .. start + n - 1, start, tokens): the slots expanded from the block ids on
         this rank (the plan carries one id per block, not one slot per token)."""
         bs = plan.block_size
-        offsets = torch.arange(bs)
+        offsets = np.arange(bs, dtype=np.int64)
         out = []
         for blocks, start, tokens in plan.seqs:
-            slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + offsets).reshape(-1)
+            slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + offsets).reshape(-1)
             out.append((slots[: start + len(tokens)], start, tokens))
         return out
 
