@@ -4,6 +4,7 @@ target (`cuda_sm90`, `hip_gfx906`, ...), never a hard-coded device name in a lau
 
 File format:
     {"target": "cuda_sm90", "matvec": {"Q4_K": {"large": {"1": {...}, "8": {...}}}, ...},
+     "matvec_flat": {...keyed like "matvec"...}, "matvec_kernel": {"Q4_K": "flat"},
      "prefill": {"dense_from_m": 9}}
 Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`. Row counts 1..8 map to the nearest
 measured count at or above them.
@@ -56,15 +57,23 @@ class Tuning:
     def backend(self) -> str:
         return self.target.split("_", 1)[0] if self.target != "cpu" else "cuda"
 
-    def matvec(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
-        by_m = self.table.get("matvec", {}).get(type_name, {}).get(shape_class(n, k), {})
+    def measured(self, op: str, type_name: str, n: int, k: int, m: int) -> dict[str, int] | None:
+        """The file's launch parameters for `op` at the nearest measured row count at or above m (else the
+        largest measured), or None where the file has none for this type and shape class."""
+        by_m = self.table.get(op, {}).get(type_name, {}).get(shape_class(n, k), {})
         measured = sorted(int(x) for x in by_m)
-        at_or_above = [x for x in measured if x >= m]
-        if at_or_above:
-            return dict(by_m[str(at_or_above[0])])
-        if measured:
-            return dict(by_m[str(measured[-1])])
-        return dict(_FALLBACK[self.backend]["matvec"])
+        if not measured:
+            return None
+        return dict(by_m[str(next((x for x in measured if x >= m), measured[-1]))])
+
+    def matvec(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
+        found = self.measured("matvec", type_name, n, k, m)
+        return found if found is not None else dict(_FALLBACK[self.backend]["matvec"])
+
+    def matvec_kernel(self, type_name: str) -> str:
+        """Which decode mat-vec serves `type_name`: "flat" (matvec_flat.py) where the file says so from
+        a side-by-side measurement (benchmarks/matvec_variants.py), else "tiles" (matmul.matvec)."""
+        return str(self.table.get("matvec_kernel", {}).get(type_name, "tiles"))
 
     @property
     def dense_from_m(self) -> int:

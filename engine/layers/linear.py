@@ -115,17 +115,28 @@ class TritonMethod(QuantMethod):
             build = layout.repack if self.repack else layout.canonical
             w = build(raw, type_id, rows, layer.in_features)
             layer.packed.append(w)
-            # launch parameters for 1..8 rows, looked up once here, not per token
-            layer.tuned.append([self.tuning.matvec(w.type_name, w.n, w.k, m) for m in range(1, 9)])
+            # kernel and launch parameters for 1..8 rows, looked up once here, not per token
+            layer.tuned.append([self._matvec_for(w, m) for m in range(1, 9)])
             if self.scratch is None or self.scratch.numel() < w.n * w.k:
                 self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
 
+    def _matvec_for(self, w, m: int):
+        """(kernel, launch parameters) of the decode mat-vec of `w` at m rows: the flat-tile kernel where
+        the tuning file picks it for the type and the layout is repacked, else the tile kernel."""
+        from vegaserve.triton_kernels import matvec_flat
+        from vegaserve.triton_kernels.matmul import matvec
+
+        if self.tuning.matvec_kernel(w.type_name) == "flat" and w.repacked and w.type_id in matvec_flat.SUPPORTED:
+            return matvec_flat.matvec_flat, matvec_flat.flat_params(w, m, self.tuning)
+        return matvec, self.tuning.matvec(w.type_name, w.n, w.k, m)
+
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        from vegaserve.triton_kernels.matmul import dense_gemm, matvec
+        from vegaserve.triton_kernels.matmul import dense_gemm
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
-            outs = [matvec(x, w, **cfg[m - 1]) for w, cfg in zip(layer.packed, layer.tuned, strict=True)]
+            outs = [fn(x, w, **cfg) for w, by_m in zip(layer.packed, layer.tuned, strict=True)
+                    for fn, cfg in (by_m[m - 1],)]
         else:
             xq = x.to(self.gemm_dtype)
             outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]

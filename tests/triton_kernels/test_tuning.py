@@ -41,3 +41,43 @@ def test_shape_classes():
     assert shape_class(576, 576) == "small"
     assert shape_class(14336, 4096) == "medium"
     assert shape_class(128256, 4096) == "large"
+
+
+def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_path, monkeypatch):
+    """"matvec_kernel" chooses the flat kernel for Q4_0 only; a layer of Q4_0 and Q8_0 stacked then runs
+    one kernel of each (counted) and still equals the reference product."""
+    from dataclasses import replace
+
+    import torch
+
+    from vegaserve.engine.gguf_file import TensorInfo
+    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+    from vegaserve.triton_kernels import matmul, matvec_flat
+    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"matvec_kernel": {"Q4_0": "flat"},
+                             "matvec_flat": {"Q4_0": {"small": {"8": {"block_n": 16, "nb": 2, "split_k": 2,
+                                                                       "num_warps": 1}}}}}))
+    t = load_tuning("cuda_sm90", f)
+    assert (t.matvec_kernel("Q4_0"), t.matvec_kernel("Q8_0")) == ("flat", "tiles")
+    gen = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sources = []
+    for name, tid in (("a", 2), ("b", 8)):  # Q4_0, Q8_0
+        raw = random_blocks(tid, 24, 128 // 32, gen).to(device)
+        sources.append(WeightSource(TensorInfo(name, tid, "Q4_0" if tid == 2 else "Q8_0", (24, 128), raw.numel(), 0, 0),
+                                    raw.reshape(-1), "t.gguf"))
+    layer = QuantLinear(128, [24, 24], TritonMethod(tuning_file=str(f)))
+    layer.load(sources, torch.device(device))
+    calls = []
+    for mod, fn in ((matvec_flat, "matvec_flat"), (matmul, "matvec")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=fn, **kw: calls.append(_n) or _r(*a, **kw))
+    layer.tuned = [[layer.method._matvec_for(w, m) for m in range(1, 9)] for w in layer.packed]
+    x = torch.randn(3, 128, generator=gen)
+    y = layer(x.to(device)).cpu()
+    assert sorted(calls) == ["matvec", "matvec_flat"]
+    assert layer.tuned[0][2][1] == {"block_n": 16, "nb": 2, "split_k": 2, "num_warps": 1}
+    ref = torch.cat([matmul.reference_matmul(x, replace(w, data=w.data.cpu())) for w in layer.packed], dim=-1)
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5

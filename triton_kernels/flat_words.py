@@ -1,0 +1,102 @@
+"""Word-level pieces of the flat mat-vec (matvec_flat.py): quant bytes are loaded as int32 words and each
+field is made an exact float32 in place, without a shift or an int-to-float conversion.
+
+A field of `width` bits at bit S of a word (S + width <= 23) XORed into the bits of 2^(23 - S) is the
+float 2^(23 - S) + field: the field sits in the low mantissa bits, whose unit is 2^-S there. Subtracting
+2^(23 - S) + bias leaves field - bias, exactly. One LOP3 (mask and magic together) and one FADD per
+element; a signed byte also flips its top bit in the same LOP3 (the magic carries it), reading q + 128.
+Nibbles above bit 19 (and bytes above 15) are read from the word shifted right by 12 (16).
+
+Layout of every tile: [BLOCK_N, G, 4] int32 words, G groups of 4 words (16 bytes, one thread's vector
+load) along a row, split at once into 4 word tensors [BLOCK_N, G] (the 4 words are in one thread's
+registers). Pointers are built rows-first (`word_ptrs`) so that Triton's coalescing gives the lanes of a
+warp to the groups first, then to rows: a thread holds one group for several rows. Byte t of a word is
+element e + t of some run, so the activations of a word are one [1, G, 4] vector load (`x_vec`), split the
+same way and broadcast over the rows: a thread's 4-element activation vector serves all its rows, and each
+(row, group) is one FMA chain over its words' fields, with no per-word reduction.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def magic(S: tl.constexpr, live, SIGNED: tl.constexpr):
+    """Bits of 2^(23 - S) (SIGNED: with bit S + 7 set, which flips an int8 field's sign bit). Built from a
+    run-time value: ptxas re-materialises an immediate before every LOP3 that needs it (a MOV each, 30 per
+    64 elements in the sm_90 SASS), while a computed value stays in a register."""
+    bits = (150 - S) << 23
+    if SIGNED:
+        bits = bits | (128 << S)
+    return tl.where(live, bits, 0)
+
+
+@triton.jit
+def field(src, MASK: tl.constexpr, S: tl.constexpr, mag, BIAS: tl.constexpr):
+    """(src >> S) & MASK minus BIAS as an exact float32 (with a SIGNED magic: the field as int8)."""
+    return ((src & (MASK << S)) ^ mag).to(tl.float32, bitcast=True) - ((1 << (23 - S)) + BIAS)
+
+
+@triton.jit
+def nibble_magics(live):
+    """The magics of fields at bits 0, 4, 8, 12, 16."""
+    return (magic(0, live, False), magic(4, live, False), magic(8, live, False), magic(12, live, False),
+            magic(16, live, False))
+
+
+@triton.jit
+def nibble(w, w12, P: tl.constexpr, mags, BIAS: tl.constexpr):
+    """Nibble P (bits 4P .. 4P + 3) of each word minus BIAS; from P = 5 on it is read from w12 = w >> 12."""
+    if P <= 4:
+        v = field(w, 15, 4 * P, mags[P], BIAS)
+    else:
+        v = field(w12, 15, 4 * P - 12, mags[P - 3], BIAS)
+    return v
+
+
+@triton.jit
+def split4(v):
+    """The 4 slices of v [A, B, 4] along its last axis, which is in-thread (no data moves): [A, B] each."""
+    a, b = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def x_vec(xrow, xk, OFF: tl.constexpr):
+    """Activations at xk + OFF, f32 [1, G, 4]: xk [G, 4] indexes the 4 bytes of a word, 4 consecutive
+    elements, so this is one vector load per thread; split4 gives the one of each byte, [1, G]."""
+    return tl.load(xrow + xk + OFF).to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def word_ptrs(base, off, rs, r64):
+    """int32 pointers to the first word of each row of a plane, [BLOCK_N, 1, 1]; add [1, G, 4] word offsets."""
+    return (base + off + r64[:, None, None] * rs).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def program_rows(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE: tl.constexpr):
+    """This program's rows (for the store), rows clamped to N - 1 in int64 (for loads), first block of its
+    K split and the number of tiles in it."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * blocks_per_split
+    n_iter = (tl.minimum(first + blocks_per_split, n_blocks) - first) // PER_TILE
+    return rows, tl.minimum(rows, N - 1).to(tl.int64), first, n_iter
+
+
+@triton.jit
+def zero_rows(M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """One [BLOCK_N, G] f32 accumulator per activation row."""
+    acc = ()
+    for _ in tl.static_range(M):
+        acc = acc + (tl.zeros([BLOCK_N, G], dtype=tl.float32),)
+    return acc
+
+
+@triton.jit
+def store_rows(part_ptr, acc, M: tl.constexpr, N, rows):
+    """Row m of this split's partial [M, N] (part [SPLIT_K, M, N]): the group axis reduced, once."""
+    for m in tl.static_range(M):
+        tl.store(part_ptr + (tl.program_id(1) * M + m) * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)

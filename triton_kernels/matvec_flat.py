@@ -1,0 +1,402 @@
+"""Decode mat-vec on flat word tiles: y[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W repacked (layout.py).
+
+A candidate beside matmul.matvec (same signature and result). Each program owns BLOCK_N rows and one K
+split; per iteration it loads each row's next run of quant bytes as int32 words, 16 bytes per thread, into
+[BLOCK_N, G, 4] tiles (flat_words.py: the tile layout and the in-place decoding, one LOP3 + one FADD per
+element), multiplies by the activations read in the words' element order (the weights are never
+reordered) and sums each thread's words per scale group; the scale multiplies that sum, and the group
+axis is reduced once, after the K loop. The weight tiles are decoded once and used for all M rows of x.
+
+Per type (layouts of quants/*.py; byte t of a word is bits 8t .. 8t + 7; a group is one thread's 16 bytes
+of a row, or the 16-byte runs it loads together):
+  Q8_0  group = block, two runs (its halves): byte t of word w of half h is element 16h + 4w + t.
+        (sum q * x) * d.
+  Q4_0  group = block: byte t of word w holds element 4w + t (low nibble) and 4w + t + 16 (high).
+        (sum (q - 8) * x) * d.
+  Q4_K  group = (super-block, j = 0 or 1), four runs: chunks j and j + 2, two halves each. Byte l of
+        chunk c: low nibble is element l of sub-block 2c, high nibble of 2c + 1. Per sub-block
+        d * sc * sum(q * x) - dmin * m * sum(x); one thread unpacks the four six-bit scales and mins of
+        its two chunks once per row, and sum(x) is shared by its rows.
+  Q6_K  group = (super-block, half h, quarter l4 of the half's 32 qh bytes), three runs: those qh words
+        and the two ql runs (gm = 0, 1) that use them. Code of ql byte t, nibble gh: element
+        32 (gm + 2 gh) + l + 128 h with l = 4 (4 l4 + w) + t; its two high bits are bits 2 (gm + 2 gh) of
+        qh byte t. One shift of qh per word puts them above the nibbles, so a code is one LOP3 from a
+        combined word. d * scales[i] * sum((q - 32) * x) per 16-element sub-block i.
+Split-K partials go to [SPLIT_K, M, N] and are summed in fixed order (no atomics), as in matmul.matvec.
+Torch reference: matmul.reference_matmul (dequant.dequantize, then x @ W^T in float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels.flat_words import (
+    field,
+    magic,
+    nibble,
+    nibble_magics,
+    program_rows,
+    split4,
+    store_rows,
+    word_ptrs,
+    x_vec,
+    zero_rows,
+)
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matmul import reference_matmul  # noqa: F401 - the ground truth these match
+from vegaserve.triton_kernels.tuning import Tuning, load_tuning
+
+Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+
+
+@triton.jit
+def _q8_0_kernel(
+    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    N, K, blocks_per_split,  # sizes (blocks of 32)
+    stride_xm,  # strides
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
+):
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
+    g = tl.arange(0, NB)
+    i4 = tl.arange(0, 4)
+    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 8)[None, :, None] + i4[None, None, :]  # + 4: second half
+    # The scale's block stride b0 is a run-time value, so Triton sees no contiguity in this load and lays it
+    # out like the word tile's groups; with the constant 2 it chose a vector load and converted the result
+    # through shared memory (two barriers per iteration in the SASS).
+    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0
+    xk = (first + g)[:, None] * 32 + i4[None, :]
+    live = N > 0
+    m0, m8 = magic(0, live, True), magic(8, live, True)
+    acc = zero_rows(M, BLOCK_N, NB)
+    for _ in range(0, n_iter):
+        words = split4(tl.load(qs)) + split4(tl.load(qs + 4))  # word i: elements 4i .. 4i + 3 of the block
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = ()
+        for m in tl.static_range(M):
+            xrow = x_ptr + m * stride_xm
+            s = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+            for i in tl.static_range(8):
+                w = words[i]
+                w16 = w >> 16
+                xv = split4(x_vec(xrow, xk, 4 * i))
+                s += field(w, 255, 0, m0, 128) * xv[0]
+                s += field(w, 255, 8, m8, 128) * xv[1]
+                s += field(w16, 255, 0, m0, 128) * xv[2]
+                s += field(w16, 255, 8, m8, 128) * xv[3]
+            new = new + (acc[m] + s * d,)
+        acc = new
+        qs += NB * 8
+        dp += NB * b0
+        xk += NB * 32
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_0_kernel(
+    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    N, K, blocks_per_split,  # sizes (blocks of 32)
+    stride_xm,  # strides
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
+):
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
+    g = tl.arange(0, NB)
+    i4 = tl.arange(0, 4)
+    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 4)[None, :, None] + i4[None, None, :]
+    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0  # run-time stride: see _q8_0_kernel
+    xk = (first + g)[:, None] * 32 + i4[None, :]
+    mags = nibble_magics(N > 0)
+    acc = zero_rows(M, BLOCK_N, NB)
+    for _ in range(0, n_iter):
+        words = split4(tl.load(qs))
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = ()
+        for m in tl.static_range(M):
+            xrow = x_ptr + m * stride_xm
+            s = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+            for i in tl.static_range(4):  # byte t of word i: low nibble element 4i + t, high 4i + t + 16
+                w = words[i]
+                w12 = w >> 12
+                xl = split4(x_vec(xrow, xk, 4 * i))
+                xh = split4(x_vec(xrow, xk, 4 * i + 16))
+                for t in tl.static_range(4):
+                    s += nibble(w, w12, 2 * t, mags, 8) * xl[t]
+                    s += nibble(w, w12, 2 * t + 1, mags, 8) * xh[t]
+            new = new + (acc[m] + s * d,)
+        acc = new
+        qs += NB * 4
+        dp += NB * b0
+        xk += NB * 32
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_k_chunk(words, xrow, xk, mags, X_SUMS: tl.constexpr):
+    """One 32-byte chunk of each group (its 8 word tensors): sums of q * x over the low and the high
+    nibbles (two sub-blocks) [BLOCK_N, G], and (X_SUMS) the activation sums of those sub-blocks [1, G].
+    Those add the split [1, G] tensors the products use: summing the [1, G, 4] vectors and reducing
+    gave them a layout of their own (a second set of loads and shuffles in the SASS)."""
+    lo = tl.zeros(words[0].shape, dtype=tl.float32)
+    hi = tl.zeros(words[0].shape, dtype=tl.float32)
+    xlo = tl.zeros([1, words[0].shape[1]], dtype=tl.float32)
+    xhi = tl.zeros([1, words[0].shape[1]], dtype=tl.float32)
+    for i in tl.static_range(8):  # byte t of word i is byte 4i + t of the chunk: elements 4i + t, + 32
+        w = words[i]
+        w12 = w >> 12
+        xl = split4(x_vec(xrow, xk, 4 * i))
+        xh = split4(x_vec(xrow, xk, 4 * i + 32))
+        for t in tl.static_range(4):
+            lo += nibble(w, w12, 2 * t, mags, 0) * xl[t]
+            hi += nibble(w, w12, 2 * t + 1, mags, 0) * xh[t]
+            if X_SUMS:
+                xlo += xl[t]
+                xhi += xh[t]
+    return lo, hi, xlo, xhi
+
+
+@triton.jit
+def _q4_k_kernel(
+    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    xs_ptr,  # sums of x per 32 elements [M, K / 32] f32 (read when M > 1)
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
+    N, K, blocks_per_split,  # sizes (super-blocks of 256)
+    stride_xm,  # strides
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, super-blocks per tile
+):
+    G: tl.constexpr = 2 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    g = tl.arange(0, G)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 2
+    j = g % 2
+    # chunk j's first half; + 4 words its second half, + 16 and + 20 those of chunk j + 2
+    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + i4[None, None, :]
+    dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0  # d f16, dmin f16 at + 2
+    sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]  # scale bytes 2j, 2j + 1 (+ 4, + 8)
+    xk = (sb * 256 + j * 64)[:, None] + i4[None, :]
+    xs = sb * 8 + 2 * j  # sub-block 2j in xs
+    mags = nibble_magics(N > 0)
+    # M = 1: each thread sums its activations (shared by its rows, 1 FADD per element / rows per thread);
+    # more rows of x take the launcher's sums, which would cost as many FADDs as the products' FMAs
+    X_SUMS: tl.constexpr = M == 1
+    acc = zero_rows(M, BLOCK_N, G)
+    for _ in range(0, n_iter):
+        d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # six bits: sc[2j], sc[2j + 1]
+        b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # m[2j], m[2j + 1]
+        c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # low four bits of the + 4 ones
+        sc_hi = (c & 0x0F0F) | ((a >> 2) & 0x3030)  # sc[2j + 4], sc[2j + 5]
+        m_hi = ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)
+        # chunk j, then chunk j + 2; with M > 1 rolled: Triton's coalescing pass takes about (loads x ops)
+        # of the loop body, 50 s at M = 8 unrolled
+        new = acc
+        for cc in tl.range(0, 2, loop_unroll_factor=2 if M == 1 else 1):
+            words = split4(tl.load(qs + 16 * cc)) + split4(tl.load(qs + 16 * cc + 4))
+            s_lo = (tl.where(cc == 0, a, sc_hi) & 63).to(tl.float32)
+            s_hi = (tl.where(cc == 0, a >> 8, sc_hi >> 8) & 63).to(tl.float32)
+            m_lo = (tl.where(cc == 0, b, m_hi) & 63).to(tl.float32)
+            m_hi2 = (tl.where(cc == 0, b >> 8, m_hi >> 8) & 63).to(tl.float32)
+            acc_c = ()
+            for m in tl.static_range(M):
+                lo, hi, xlo, xhi = _q4_k_chunk(words, x_ptr + m * stride_xm, xk + 128 * cc, mags, X_SUMS)
+                if not X_SUMS:
+                    xlo = tl.load(xs_ptr + m * (K // 32) + xs + 4 * cc)[None, :]
+                    xhi = tl.load(xs_ptr + m * (K // 32) + xs + 4 * cc + 1)[None, :]
+                acc_c = acc_c + (new[m] + d * (lo * s_lo + hi * s_hi) - dmin * (xlo * m_lo + xhi * m_hi2),)
+            new = acc_c
+        acc = new
+        qs += NB * 32
+        dm += NB * b0
+        sp += NB * b1
+        xk += NB * 256
+        xs += NB * 8
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q6_k_run(ql, qh, gm, xrow, xk, mags):
+    """One ql run (4 word tensors) with the group's qh words: sums of (q - 32) * x over the low nibbles
+    (sub-block gm of the quarter) and over the high nibbles (gm + 2), [BLOCK_N, G] each. xk is that of
+    the run (32 gm added)."""
+    lo = tl.zeros(ql[0].shape, dtype=tl.float32)
+    hi = tl.zeros(ql[0].shape, dtype=tl.float32)
+    for i in tl.static_range(4):
+        # combined words: byte t = ql nibble in bits 0..3, its qh pair in 4..5 (6, 7 are masked off later)
+        lo_w = (ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & ~0x0F0F0F0F)
+        hi_w = ((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & ~0x0F0F0F0F)
+        xl = split4(x_vec(xrow, xk, 4 * i))
+        xh = split4(x_vec(xrow, xk, 4 * i + 64))
+        lo += field(lo_w, 63, 0, mags[0], 32) * xl[0]
+        hi += field(hi_w, 63, 0, mags[0], 32) * xh[0]
+        lo += field(lo_w, 63, 8, mags[2], 32) * xl[1]
+        hi += field(hi_w, 63, 8, mags[2], 32) * xh[1]
+        lo += field(lo_w, 63, 16, mags[4], 32) * xl[2]
+        hi += field(hi_w, 63, 16, mags[4], 32) * xh[2]
+        lo += field(lo_w >> 8, 63, 16, mags[4], 32) * xl[3]
+        hi += field(hi_w >> 8, 63, 16, mags[4], 32) * xh[3]
+    return lo, hi
+
+
+@triton.jit
+def _q6_k_kernel(
+    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
+    N, K, blocks_per_split,  # sizes (super-blocks of 256)
+    stride_xm,  # strides
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, super-blocks per tile
+):
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    g = tl.arange(0, G)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 4
+    h = (g // 2) % 2
+    l4 = g % 2
+    qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
+    ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]  # + 8: gm 1
+    # scale of sub-block 8h + l4 (+ 2 gm + 4 gh); b2 (16) and b3 at run time: see _q8_0_kernel
+    sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
+    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
+    xk = (sb * 256 + h * 128 + l4 * 16)[:, None] + i4[None, :]
+    mags = nibble_magics(N > 0)
+    acc = zero_rows(M, BLOCK_N, G)
+    for _ in range(0, n_iter):
+        qh = split4(tl.load(qh_p))
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = acc
+        # the two ql runs; with M > 1 rolled (see _q4_k_kernel)
+        for gm in tl.range(0, 2, loop_unroll_factor=2 if M == 1 else 1):
+            ql = split4(tl.load(ql_p + 8 * gm))
+            sc_lo = tl.load((sp + 2 * gm).to(tl.pointer_type(tl.int8))).to(tl.float32)  # sub-block 2gm + ..
+            sc_hi = tl.load((sp + 2 * gm + 4).to(tl.pointer_type(tl.int8))).to(tl.float32)  # 2gm + 4 + ..
+            acc_g = ()
+            for m in tl.static_range(M):
+                lo, hi = _q6_k_run(ql, qh, gm, x_ptr + m * stride_xm, xk + 32 * gm, mags)
+                acc_g = acc_g + (new[m] + d * (lo * sc_lo + hi * sc_hi),)
+            new = acc_g
+        acc = new
+        qh_p += NB * 16
+        ql_p += NB * 32
+        sp += NB * b2
+        dp += NB * b3
+        xk += NB * 256
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+# type id -> (kernel, elements per block, groups per block, bytes one group loads per row and tile)
+_KERNELS = {Q8_0: (_q8_0_kernel, 32, 1, 32), Q4_0: (_q4_0_kernel, 32, 1, 16), Q4_K: (_q4_k_kernel, 256, 2, 64),
+            Q6_K: (_q6_k_kernel, 256, 4, 48)}
+SUPPORTED = frozenset(_KERNELS)
+
+# The fixed rule (untimed; `candidates` is what a sweep decides among):
+# - groups per tile: 16 for Q4_0, 8 for the others, so a row's tile is 256-512 bytes. With 4 warps G stays
+#   below 32: an activation tensor [G, 4] of 128 elements or more counts as expensive to re-materialise
+#   in Triton's layout pass, and the kernels then converted it through shared memory on every load.
+# - rows per thread: 4 (its activation vectors serve 4 rows); 2 for the K-quants at M > 1, which at 4
+#   spill on sm_90 (ptxas, Triton 3.9: Q4_0 M = 8 at 4 rows uses 254 registers, Q4_K M = 8 at 2 rows 197).
+# - 4 warps; a wave64 target (gfx906) puts twice the rows in a warp, so block_n doubles there.
+# - split K while a SM's rows (N * split / SMs) times the bytes of a tile row stay under 24 KiB in flight
+#   (a SM's share of 4.25 TB/s for ~1 us of latency is ~32 KB) and every split keeps 2 tiles.
+_WARPS, _IN_FLIGHT = 4, 24 * 1024
+
+
+def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
+    _, qk, _, bpg = _KERNELS[type_id]
+    groups = 16 if bpg == 16 else 8
+    rows = 2 if qk == 256 and m > 1 else 4
+    return _config(type_id, n, k, groups, rows, _WARPS, warp_size, sm_count)
+
+
+def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> list[dict[str, int]]:
+    """The rule and its neighbours, one knob each: split-K doubled and halved; at M = 1 also the other
+    group count, half and (legacy types) twice the rows per thread, and 8 warps. At M > 1 only split-K
+    varies for the K-quants: each of their M = 8 kernels takes Triton ~15 s to compile."""
+    base = rule(type_id, n, k, m, sm_count, warp_size)
+    _, qk, gpb, bpg = _KERNELS[type_id]
+    groups = base["nb"] * 32 // qk * gpb
+    rows = base["block_n"] * groups // (warp_size * base["num_warps"])
+    out = [base, {**base, "split_k": base["split_k"] * 2}]
+    if base["split_k"] > 1:
+        out.append({**base, "split_k": base["split_k"] // 2})
+    variants = []  # (groups, rows per thread, warps)
+    if m == 1:
+        variants = [(24 - groups, rows, _WARPS), (groups, rows // 2, _WARPS), (groups, rows, 2 * _WARPS)]
+        if qk == 32:
+            variants.append((groups, 2 * rows, _WARPS))
+    elif qk == 32:
+        variants.append((groups, rows // 2, _WARPS))
+    out += [_config(type_id, n, k, g, r, w, warp_size, sm_count) for g, r, w in variants if r >= 1]
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
+
+
+def flat_params(w: PackedWeight, m: int, tuning: Tuning | None = None) -> dict[str, int]:
+    """Launch parameters from the tuning file's "matvec_flat" entry (keyed like "matvec"), else the rule."""
+    found = (tuning or load_tuning()).measured("matvec_flat", w.type_name, w.n, w.k, m)
+    if found is not None:
+        return found
+    if w.data.device.type == "cuda":
+        props = torch.cuda.get_device_properties(w.data.device)
+        return rule(w.type_id, w.n, w.k, m, props.multi_processor_count, getattr(props, "warp_size", 32))
+    return rule(w.type_id, w.n, w.k, m, 132)
+
+
+def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None, num_stages: int = 1) -> torch.Tensor:
+    """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32, as matmul.matvec; W in the repacked layout. nb counts
+    32-element units (whole super-blocks for K-quants); unset parameters come from `flat_params`."""
+    M, K = x.shape
+    if K != w.k or not 1 <= M <= 8:
+        raise ValueError(f"matvec_flat takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+    if w.type_id not in _KERNELS:
+        raise ValueError(f"matvec_flat has no kernel for {w.type_name}")
+    if not w.repacked:
+        raise ValueError("matvec_flat reads 16-byte words: the repacked layout (layout.repack) only")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"activations must be f32, f16 or bf16, got {x.dtype}")
+    p = {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps}
+    if None in p.values():
+        p = {**flat_params(w, M), **{key: v for key, v in p.items() if v is not None}}
+    if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
+        # BLOCK_N 2 and 4 gave wrong sums in matmul.matvec on an H200 (docs/PERF.md, 2026-12-02)
+        raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
+    kernel, qk, _, _ = _KERNELS[w.type_id]
+    x = x.contiguous()
+    n_blocks = K // qk
+    per_tile = _divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))  # tiles never straddle a row end
+    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
+    split = -(-n_blocks // per_split)
+    part = torch.empty(split, M, w.n, dtype=torch.float32, device=x.device)
+    xs = ()
+    if w.type_id == Q4_K:  # activation sums per 32 elements (read by the kernel when M > 1)
+        xs = (x.float().view(M, K // 32, 32).sum(-1) if M > 1 else x,)
+    kernel[(triton.cdiv(w.n, p["block_n"]), split)](
+        x, part, w.data, *xs, *w.field_args(), w.n, K, per_split, x.stride(0),
+        M=M, BLOCK_N=p["block_n"], NB=per_tile, num_warps=p["num_warps"], num_stages=num_stages,
+    )
+    return part[0] if split == 1 else part.sum(0)
+
+
+def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, warp_size: int,
+            sm_count: int) -> dict[str, int]:
+    """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
+    _, qk, gpb, bpg = _KERNELS[type_id]
+    blocks = _divisor_at_most(k // qk, max(1, groups // gpb))
+    groups = blocks * gpb
+    block_n = max(8, min(256, rows * warp_size * warps // groups))
+    iters = (k // qk) // blocks
+    split = 1
+    while n * split * groups * bpg < _IN_FLIGHT * sm_count and iters // (2 * split) >= 2:
+        split *= 2
+    return {"block_n": block_n, "nb": blocks * qk // 32, "num_warps": warps, "split_k": split}
+
+
+def _divisor_at_most(n: int, want: int) -> int:
+    """The largest power of two <= want that divides n."""
+    d = 1
+    while d * 2 <= want and n % (d * 2) == 0:
+        d *= 2
+    return d
