@@ -58,8 +58,9 @@ def greedy_tokens(core: EngineCore, n_streams: int, n: int, seed: int) -> list[l
     return [out[r.request_id] for r in reqs]
 
 
-def step_profile(core: EngineCore, steps: int, g: torch.Generator) -> tuple[float, float]:
-    """(wall ms per decode step of one stream, share of the step with no kernel running)."""
+def step_profile(core: EngineCore, steps: int, g: torch.Generator, host_table: str | None = None) -> tuple[float, float]:
+    """(wall ms per decode step of one stream, share of the step with no kernel running); `host_table`:
+    write the host ops that took the most self CPU time there."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = core.arch.vocab_size
@@ -77,6 +78,9 @@ def step_profile(core: EngineCore, steps: int, g: torch.Generator) -> tuple[floa
         wall = time.perf_counter() - t0
     while core.has_work:
         core.step()
+    if host_table:
+        with open(host_table, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     return wall / steps * 1e3, 1.0 - busy / (wall * 1e6)
@@ -102,12 +106,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--tuning", default=None, help="kernel tuning file (default: configs/kernels/<target>.json)")
+    ap.add_argument("--modes", default="graphs,eager", help="which of graphs, eager to time")
+    ap.add_argument("--host-table", default=None,
+                    help="write the profiled graph-mode step's top host ops (self CPU time) to this file")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16
     cfg = EngineConfig.from_dict({"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
                                   "scheduler": {"max_num_seqs": max(streams), "max_num_batched_tokens": max(args.pp, 2048)},
-                                  "device": "cuda"})
+                                  "kernels": {"tuning_file": args.tuning}, "device": "cuda"})
     t0 = time.perf_counter()
     core = EngineCore(cfg, show_progress=False)
     worker = core.runner.executor.worker
@@ -123,7 +131,7 @@ def main() -> None:
         same = sum(a == b for a, b in zip(replayed, eager, strict=True))
         result["greedy_identical_streams"] = same
         rows.append(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
-    for mode in ("graphs", "eager"):
+    for mode in args.modes.split(","):
         worker.graphs = graphs if mode == "graphs" else None
         if mode == "graphs" and graphs is None:
             continue
@@ -132,7 +140,7 @@ def main() -> None:
             med = statistics.median(rates)
             result[f"tg{args.gen}_{mode}_x{n}"] = med
             rows.append((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
-        ms, outside = step_profile(core, args.profile_steps, g)
+        ms, outside = step_profile(core, args.profile_steps, g, args.host_table if mode == "graphs" else None)
         result[f"step_ms_{mode}"], result[f"outside_kernels_{mode}"] = ms, outside
         rows.append(("decode step, 1 stream", mode, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
     worker.graphs = graphs

@@ -1,100 +1,117 @@
-"""Experiment: a mat-vec formulation without 2-D weight tiles, against the production kernel.
+"""Decode mat-vec, production kernel (matmul.matvec with the engine's tuned parameters) against the
+flat-tile candidate (matvec_flat.py: 16-byte word loads decoded in place, activations read in the
+weights' order), in one process, on the same weights and activations, with the copy bandwidth measured
+in the same run.
 
-Hypothesis (docs/PERF.md): the production mat-vec spends its time converting layouts, because each type's
-tile is built as [rows, blocks, 32] and then reshaped (and, for 4-bit types, joined and permuted) into a
-2-D [rows, k] tile. Here each block's dot product is taken in the 3-D shape it is loaded in, the
-activation is read in the weights' nibble order instead of reordering the weights, and the per-block
-scale multiplies one partial sum per block. Prediction: Q8_0 and Q4_0 at M=1 move from ~25-40% to
->= 60% of copy bandwidth if the hypothesis holds.
+Hypothesis: the production kernel's 3-D tiles are reshaped and converted through shared memory, and it
+loads 16 rows x a few blocks per iteration, too little in flight per SM; the flat form keeps each
+thread's 16 bytes in registers and sizes split-K from the bytes in flight. Prediction: M=1 at >= 60% of
+copy bandwidth for Q8_0, Q4_0, Q4_K and Q6_K (production: 18-39%), M=8 <= 2x M=1.
 
-    python benchmarks/matvec_variants.py
+    python benchmarks/matvec_variants.py [--types Q4_K,Q6_K,Q8_0,Q4_0] [--shapes 28672x4096,...] [--ms 1,8]
+        [--json out.json]
+
+Each flat config is checked against x @ dequant(W)^T (f32) before it is timed; a config whose relative
+error exceeds 1e-4 is reported and skipped. Times are medians of triton.testing.do_bench.
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
+import json
 
 import torch
-import triton
-import triton.language as tl
 
-from vegaserve.triton_kernels.dequant import dequantize
+from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import matvec
+from vegaserve.triton_kernels.matvec_flat import candidates, matvec_flat, rule
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+from vegaserve.triton_kernels.tuning import load_tuning
 
+from bench_kernels import bench, copy_bandwidth  # noqa: E402 - run from benchmarks/ or with it on sys.path
 
-@triton.jit
-def _mv_block_dot(x_ptr, part_ptr, base, d_off, d_rs, q_off, q_rs, N, K, blocks_per_split,
-                  FOUR_BIT: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    r64 = tl.where(rmask, rows, 0).to(tl.int64)
-    first = pid_k * blocks_per_split
-    n_iter = blocks_per_split // NB
-    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
-    WIDTH: tl.constexpr = 16 if FOUR_BIT else 32
-    j = tl.arange(0, WIDTH)
-    for i in range(0, n_iter):
-        blk = first + i * NB + tl.arange(0, NB)
-        q = tl.load(base + q_off + r64[:, None, None] * q_rs + blk[None, :, None] * WIDTH + j[None, None, :],
-                    mask=rmask[:, None, None], other=0)
-        xk = blk[:, None] * 32 + j[None, :]
-        if FOUR_BIT:
-            x_lo = tl.load(x_ptr + xk)
-            x_hi = tl.load(x_ptr + xk + 16)
-            lo = (q & 15).to(tl.float32) - 8.0
-            hi = (q >> 4).to(tl.float32) - 8.0
-            s = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
-        else:
-            x = tl.load(x_ptr + xk)
-            s = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
-        d = tl.load((base + d_off + r64[:, None] * d_rs + blk[None, :] * 2).to(tl.pointer_type(tl.float16)),
-                    mask=rmask[:, None], other=0.0).to(tl.float32)
-        acc += s * d
-    tl.store(part_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=rmask)
-
-
-def mv_block_dot(x, w, block_n, nb, split_k, num_warps=4):
-    n_blocks = w.k // 32
-    per_split = n_blocks // split_k
-    part = torch.empty(split_k, w.n, dtype=torch.float32, device=x.device)
-    d, q = w.fields[0], w.fields[-1]
-    _mv_block_dot[(triton.cdiv(w.n, block_n), split_k)](
-        x, part, w.data, d.offset, d.row_stride, q.offset, q.row_stride, w.n, w.k, per_split,
-        FOUR_BIT=w.type_id == 2, BLOCK_N=block_n, NB=nb, num_warps=num_warps)
-    return part.sum(0) if split_k > 1 else part[0]
+TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 
 
 def main() -> None:
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
-    del src, dst
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    for tid, name in ((8, "Q8_0"), (2, "Q4_0")):
-        for n, k in ((14336, 4096), (4096, 14336)):
-            raw = random_blocks(tid, n, k // 32, torch.Generator().manual_seed(n)).cuda()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
+    ap.add_argument("--shapes", default="28672x4096,14336x4096,4096x14336")
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--json", default=None, help="write the rows here as a JSON list")
+    ap.add_argument("--write-tuning", default=None,
+                    help="write the shipped tuning file with \"matvec_kernel\": flat for every type whose flat "
+                         "rule beat production on every shape and row count timed, to this path")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    tuning = load_tuning()
+    print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs, tuning target {tuning.target}")
+    print("| type | shape | M | production | flat rule | flat best | best config | best / production |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name in args.types.split(","):
+        tid = TYPE_IDS[name]
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(n + k)).cuda()
             w = repack(raw, tid, n, k)
             dense = dequantize(unpack_to_canonical(w).reshape(-1), tid, (n, k))
-            x = torch.randn(1, k, device="cuda")
-            ref = (x @ dense.T)[0]
-            t_prod = triton.testing.do_bench(lambda: matvec(x, w, block_n=16, nb=16), return_mode="median")
-            best = None
-            for bn, nb, sk, nw in itertools.product((8, 16, 32), (8, 16), (1, 2, 4), (4, 8)):
-                if (k // 32) % (nb * sk):
-                    continue
-                y = mv_block_dot(x[0], w, bn, nb, sk, nw)
-                if float((y - ref).norm() / ref.norm()) > 1e-5:
-                    continue
-                t = triton.testing.do_bench(lambda: mv_block_dot(x[0], w, bn, nb, sk, nw), return_mode="median")
-                if best is None or t < best[0]:
-                    best = (t, (bn, nb, sk, nw))
             nbytes = raw.numel()
-            print(f"{name} {n}x{k}: production {t_prod * 1e3:6.1f} us ({nbytes / (t_prod * 1e-3) / bw:5.1%})  "
-                  f"block-dot {best[0] * 1e3:6.1f} us ({nbytes / (best[0] * 1e-3) / bw:5.1%}) cfg {best[1]}")
+            for m in (int(v) for v in args.ms.split(",")):
+                x = torch.randn(m, k, device="cuda")
+                ref = x @ dense.T
+
+                def err(y: torch.Tensor) -> float:
+                    return float((y - ref).norm() / ref.norm())
+
+                prod_cfg = tuning.matvec(name, n, k, m)
+                e_prod = err(matvec(x, w, **prod_cfg))
+                t_prod = bench(lambda: matvec(x, w, **prod_cfg))
+                base = rule(tid, n, k, m, sms)
+                timed = []
+                for cfg in candidates(tid, n, k, m, sms):
+                    e = err(matvec_flat(x, w, **cfg))
+                    if e > 1e-4:
+                        print(f"  flat {name} {shape} M={m} {cfg}: relative error {e:.2e}, skipped")
+                        continue
+                    timed.append((bench(lambda c=cfg: matvec_flat(x, w, **c)), cfg, e))
+                t_rule = next((t for t, c, _ in timed if c == base), float("nan"))
+                t_best, cfg_best, e_best = min(timed, key=lambda r: r[0])
+
+                def pct(t: float) -> str:
+                    return f"{t * 1e3:.1f} us ({nbytes / (t * 1e-3) / bw:.1%})"
+
+                print(f"| {name} | {shape} | {m} | {pct(t_prod)} | {pct(t_rule)} | {pct(t_best)} | "
+                      f"{cfg_best} | {t_prod / t_best:.2f}x |", flush=True)
+                rows.append({"type": name, "n": n, "k": k, "m": m, "bytes": nbytes, "copy_bw": bw,
+                             "production_ms": t_prod, "production_cfg": prod_cfg, "production_err": e_prod,
+                             "flat_rule_ms": t_rule, "flat_rule_cfg": base, "flat_best_ms": t_best,
+                             "flat_best_cfg": cfg_best, "flat_best_err": e_best})
+    for name in args.types.split(","):
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            by_m = {r["m"]: r for r in rows if r["type"] == name and (r["n"], r["k"]) == (n, k)}
+            if 1 in by_m and 8 in by_m:
+                print(f"{name} {shape}: M=8 / M=1 time, production "
+                      f"{by_m[8]['production_ms'] / by_m[1]['production_ms']:.2f}, flat "
+                      f"{by_m[8]['flat_best_ms'] / by_m[1]['flat_best_ms']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.write_tuning:
+        table = dict(tuning.table) or {"target": tuning.target}
+        kernel = dict(table.get("matvec_kernel", {}))
+        for name in args.types.split(","):
+            mine = [r for r in rows if r["type"] == name]
+            if mine and all(r["flat_rule_ms"] < r["production_ms"] for r in mine):
+                kernel[name] = "flat"
+        table["matvec_kernel"] = kernel
+        with open(args.write_tuning, "w") as f:
+            json.dump(table, f, indent=2)
+        print(f"wrote {args.write_tuning}: matvec_kernel {kernel}")
 
 
 if __name__ == "__main__":
