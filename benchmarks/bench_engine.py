@@ -81,6 +81,8 @@ def step_profile(core: EngineCore, steps: int, g: torch.Generator, host_table: s
     if host_table:
         with open(host_table, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            f.write("\n")
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     return wall / steps * 1e3, 1.0 - busy / (wall * 1e6)
@@ -109,7 +111,8 @@ def main() -> None:
     ap.add_argument("--tuning", default=None, help="kernel tuning file (default: configs/kernels/<target>.json)")
     ap.add_argument("--modes", default="graphs,eager", help="which of graphs, eager to time")
     ap.add_argument("--host-table", default=None,
-                    help="write the profiled graph-mode step's top host ops (self CPU time) to this file")
+                    help="write the profiled graph-mode step's top host ops (self CPU time) and kernels "
+                         "(device time) to this file")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16

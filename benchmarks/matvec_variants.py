@@ -26,6 +26,8 @@ from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import matvec
 from vegaserve.triton_kernels.matvec_flat import candidates, matvec_flat, rule
+from vegaserve.triton_kernels.matvec_int8 import SUPPORTED as INT8_TYPES
+from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.tuning import load_tuning
 
@@ -41,16 +43,17 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--json", default=None, help="write the rows here as a JSON list")
     ap.add_argument("--write-tuning", default=None,
-                    help="write the shipped tuning file with \"matvec_kernel\": flat for every type whose flat "
-                         "rule beat production on every shape and row count timed, to this path")
+                    help="write the shipped tuning file with \"matvec_kernel\" set to int8 (or else flat) for every "
+                         "type where that kernel beat production on every shape and row count timed")
     args = ap.parse_args()
     bw = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     tuning = load_tuning()
     print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs, tuning target {tuning.target}")
-    print("| type | shape | M | production | flat rule | flat best | best config | best / production |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type | shape | M | production | flat rule | flat best | best config | best / production | "
+          "int8 best (+ q8_1) | int8 config | int8 / production |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.types.split(","):
         tid = TYPE_IDS[name]
@@ -80,16 +83,41 @@ def main() -> None:
                     timed.append((bench(lambda c=cfg: matvec_flat(x, w, **c)), cfg, e))
                 t_rule = next((t for t, c, _ in timed if c == base), float("nan"))
                 t_best, cfg_best, e_best = min(timed, key=lambda r: r[0])
+                for stages in (2, 3):  # software pipelining of the best tile shape
+                    c = {**cfg_best, "num_stages": stages}
+                    if err(matvec_flat(x, w, **c)) <= 1e-4:
+                        t = bench(lambda c=c: matvec_flat(x, w, **c))
+                        if t < t_best:
+                            t_best, cfg_best = t, c
 
                 def pct(t: float) -> str:
                     return f"{t * 1e3:.1f} us ({nbytes / (t * 1e-3) / bw:.1%})"
 
+                int8_cols, t_int8, cfg_int8, t_q = "| - | - | - |", None, None, None
+                if tid in INT8_TYPES:
+                    q8 = quantize_q8_1(x)
+                    t_q = bench(lambda: quantize_q8_1(x))
+                    xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
+                    ref_q = xd @ dense.T
+                    for cfg in candidates(tid, n, k, m, sms) + [{**cfg_best, "num_stages": 2}]:
+                        y = matvec_int8(x, w, **cfg, q8_1=q8)
+                        e = float((y - ref_q).norm() / ref_q.norm())
+                        if e > 1e-4:
+                            print(f"  int8 {name} {shape} M={m} {cfg}: relative error {e:.2e}, skipped")
+                            continue
+                        t = bench(lambda c=cfg: matvec_int8(x, w, **c, q8_1=q8))
+                        if t_int8 is None or t < t_int8:
+                            t_int8, cfg_int8 = t, cfg
+                    if t_int8 is not None:
+                        int8_cols = (f"| {pct(t_int8)} (+ {t_q * 1e3:.1f} us) | {cfg_int8} | "
+                                     f"{t_prod / (t_int8 + t_q):.2f}x |")
                 print(f"| {name} | {shape} | {m} | {pct(t_prod)} | {pct(t_rule)} | {pct(t_best)} | "
-                      f"{cfg_best} | {t_prod / t_best:.2f}x |", flush=True)
+                      f"{cfg_best} | {t_prod / t_best:.2f}x {int8_cols}", flush=True)
                 rows.append({"type": name, "n": n, "k": k, "m": m, "bytes": nbytes, "copy_bw": bw,
                              "production_ms": t_prod, "production_cfg": prod_cfg, "production_err": e_prod,
                              "flat_rule_ms": t_rule, "flat_rule_cfg": base, "flat_best_ms": t_best,
-                             "flat_best_cfg": cfg_best, "flat_best_err": e_best})
+                             "flat_best_cfg": cfg_best, "flat_best_err": e_best, "int8_best_ms": t_int8,
+                             "int8_best_cfg": cfg_int8, "q8_1_ms": t_q})
     for name in args.types.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -97,7 +125,9 @@ def main() -> None:
             if 1 in by_m and 8 in by_m:
                 print(f"{name} {shape}: M=8 / M=1 time, production "
                       f"{by_m[8]['production_ms'] / by_m[1]['production_ms']:.2f}, flat "
-                      f"{by_m[8]['flat_best_ms'] / by_m[1]['flat_best_ms']:.2f}")
+                      f"{by_m[8]['flat_best_ms'] / by_m[1]['flat_best_ms']:.2f}" + (
+                          f", int8 {by_m[8]['int8_best_ms'] / by_m[1]['int8_best_ms']:.2f}"
+                          if by_m[1]["int8_best_ms"] and by_m[8]["int8_best_ms"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -106,7 +136,9 @@ def main() -> None:
         kernel = dict(table.get("matvec_kernel", {}))
         for name in args.types.split(","):
             mine = [r for r in rows if r["type"] == name]
-            if mine and all(r["flat_rule_ms"] < r["production_ms"] for r in mine):
+            if mine and all(r["int8_best_ms"] and r["int8_best_ms"] + r["q8_1_ms"] < r["production_ms"] for r in mine):
+                kernel[name] = "int8"
+            elif mine and all(r["flat_rule_ms"] < r["production_ms"] for r in mine):
                 kernel[name] = "flat"
         table["matvec_kernel"] = kernel
         with open(args.write_tuning, "w") as f:

@@ -71,8 +71,9 @@ class Tuning:
         return found if found is not None else dict(_FALLBACK[self.backend]["matvec"])
 
     def matvec_kernel(self, type_name: str) -> str:
-        """Which decode mat-vec serves `type_name`: "flat" (matvec_flat.py) where the file says so from
-        a side-by-side measurement (benchmarks/matvec_variants.py), else "tiles" (matmul.matvec)."""
+        """Which decode mat-vec serves `type_name`: "flat" (matvec_flat.py) or "int8" (matvec_int8.py)
+        where the file says so from a side-by-side measurement (benchmarks/matvec_variants.py), else
+        "tiles" (matmul.matvec)."""
         return str(self.table.get("matvec_kernel", {}).get(type_name, "tiles"))
 
     @property

@@ -121,13 +121,16 @@ class TritonMethod(QuantMethod):
                 self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
 
     def _matvec_for(self, w, m: int):
-        """(kernel, launch parameters) of the decode mat-vec of `w` at m rows: the flat-tile kernel where
-        the tuning file picks it for the type and the layout is repacked, else the tile kernel."""
-        from vegaserve.triton_kernels import matvec_flat
+        """(kernel, launch parameters) of the decode mat-vec of `w` at m rows: the flat-tile or the int8-dot
+        kernel where the tuning file picks it for the type and the layout is repacked, else the tile kernel."""
+        from vegaserve.triton_kernels import matvec_flat, matvec_int8
         from vegaserve.triton_kernels.matmul import matvec
 
-        if self.tuning.matvec_kernel(w.type_name) == "flat" and w.repacked and w.type_id in matvec_flat.SUPPORTED:
+        kind = self.tuning.matvec_kernel(w.type_name)
+        if kind == "flat" and w.repacked and w.type_id in matvec_flat.SUPPORTED:
             return matvec_flat.matvec_flat, matvec_flat.flat_params(w, m, self.tuning)
+        if kind == "int8" and w.repacked and w.type_id in matvec_int8.SUPPORTED:
+            return matvec_int8.matvec_int8, matvec_flat.flat_params(w, m, self.tuning)
         return matvec, self.tuning.matvec(w.type_name, w.n, w.k, m)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ def test_shipped_tuning_files_parse_and_use_known_keys():
                 for cfg in by_m.values():
                     assert set(cfg) <= {"block_n", "nb", "split_k", "num_warps", "num_stages"}
                     assert cfg.get("block_n", 8) >= 8
+        assert set(table.get("matvec_kernel", {}).values()) <= {"tiles", "flat", "int8"}
 
 
 def test_shape_classes():
@@ -44,40 +45,45 @@ def test_shape_classes():
 
 
 def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_path, monkeypatch):
-    """"matvec_kernel" chooses the flat kernel for Q4_0 only; a layer of Q4_0 and Q8_0 stacked then runs
-    one kernel of each (counted) and still equals the reference product."""
+    """"matvec_kernel" chooses the flat kernel for Q4_0 and the int8 one for Q4_K; a layer of Q4_0, Q8_0
+    and Q4_K stacked then runs one kernel of each (counted) and still equals the reference products."""
     from dataclasses import replace
 
     import torch
 
     from vegaserve.engine.gguf_file import TensorInfo
     from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
-    from vegaserve.triton_kernels import matmul, matvec_flat
+    from vegaserve.triton_kernels import matmul, matvec_flat, matvec_int8
     from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"matvec_kernel": {"Q4_0": "flat"},
+    f.write_text(json.dumps({"matvec_kernel": {"Q4_0": "flat", "Q4_K": "int8"},
                              "matvec_flat": {"Q4_0": {"small": {"8": {"block_n": 16, "nb": 2, "split_k": 2,
                                                                        "num_warps": 1}}}}}))
     t = load_tuning("cuda_sm90", f)
-    assert (t.matvec_kernel("Q4_0"), t.matvec_kernel("Q8_0")) == ("flat", "tiles")
+    assert [t.matvec_kernel(n) for n in ("Q4_0", "Q8_0", "Q4_K")] == ["flat", "tiles", "int8"]
     gen = torch.Generator().manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    k = 256
     sources = []
-    for name, tid in (("a", 2), ("b", 8)):  # Q4_0, Q8_0
-        raw = random_blocks(tid, 24, 128 // 32, gen).to(device)
-        sources.append(WeightSource(TensorInfo(name, tid, "Q4_0" if tid == 2 else "Q8_0", (24, 128), raw.numel(), 0, 0),
-                                    raw.reshape(-1), "t.gguf"))
-    layer = QuantLinear(128, [24, 24], TritonMethod(tuning_file=str(f)))
+    for tid, name, block in ((2, "Q4_0", 32), (8, "Q8_0", 32), (12, "Q4_K", 256)):
+        raw = random_blocks(tid, 24, k // block, gen).to(device)
+        sources.append(WeightSource(TensorInfo(name, tid, name, (24, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    layer = QuantLinear(k, [24, 24, 24], TritonMethod(tuning_file=str(f)))
     layer.load(sources, torch.device(device))
     calls = []
-    for mod, fn in ((matvec_flat, "matvec_flat"), (matmul, "matvec")):
+    for mod, fn in ((matvec_flat, "matvec_flat"), (matmul, "matvec"), (matvec_int8, "matvec_int8")):
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=fn, **kw: calls.append(_n) or _r(*a, **kw))
     layer.tuned = [[layer.method._matvec_for(w, m) for m in range(1, 9)] for w in layer.packed]
-    x = torch.randn(3, 128, generator=gen)
-    y = layer(x.to(device)).cpu()
-    assert sorted(calls) == ["matvec", "matvec_flat"]
+    x = torch.randn(3, k, generator=gen)
+    y = layer(x.to(device)).cpu().double()
+    assert sorted(calls) == ["matvec", "matvec_flat", "matvec_int8"]
     assert layer.tuned[0][2][1] == {"block_n": 16, "nb": 2, "split_k": 2, "num_warps": 1}
-    ref = torch.cat([matmul.reference_matmul(x, replace(w, data=w.data.cpu())) for w in layer.packed], dim=-1)
-    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+    cpu = [replace(w, data=w.data.cpu()) for w in layer.packed]
+    for part, w in zip(y.split(24, dim=-1)[:2], cpu[:2], strict=True):
+        ref = matmul.reference_matmul(x, w)
+        assert float((part - ref).norm() / ref.norm()) < 1e-5
+    q, d, _ = matvec_int8.quantize_q8_1(x.to(device))
+    ref = matvec_int8.reference_matvec_q8_1(q.cpu(), d.cpu(), cpu[2])
+    assert float((y[:, 48:] - ref).norm() / ref.norm()) < 1e-5

@@ -1,0 +1,68 @@
+"""The int8-dot decode mat-vec (triton_kernels/matvec_int8.py): its q8_1 quantizer against gguf's Q8_0
+quantizer, and each type's product against the reference on the same quantized activation (float64),
+with 1, 3 and 8 rows, odd N, split-K on and off, partials poisoned with NaN. Under the interpreter dot4
+is its integer emulation; on a GPU the same test runs the dp4a (or v_dot4) instruction."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.layout import repack
+from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_int8 import SUPPORTED, matvec_int8, quantize_q8_1, reference_matvec_q8_1
+from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = {t: s.name for t, s in GGML_TYPES.items()}
+IDS = {s.name: t for t, s in GGML_TYPES.items()}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=gen) * torch.rand(3, 256, generator=gen) * 4
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, quants 0
+    x[2, :32] = torch.arange(32) - 15.5  # halves after scaling by 127 / 15.5: ties round away from zero
+    x[2, 32:64] = torch.tensor([127.0] + [v + 0.5 for v in range(-16, 15)])  # d = 1: x itself rounded
+    q, d, s = quantize_q8_1(x.to(DEVICE))
+    ref = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(3, 8, 34)
+    ref_d = ref[..., :2].copy().view(np.float16)[..., 0]
+    ref_q = ref[..., 2:].copy().view(np.int8).reshape(3, 256)
+    assert np.array_equal(q.cpu().numpy(), ref_q)
+    assert np.array_equal(d.cpu().half().numpy(), ref_d)
+    assert torch.allclose(s.cpu(), d.cpu() * q.cpu().view(3, 8, 32).sum(-1).float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(NAMES[t] for t in SUPPORTED))
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k):
+    tid = IDS[name]
+    qk = GGML_TYPES[tid].block_size
+    k = 4 * max(qk, 64)
+    raw = random_blocks(tid, 37, k // qk, torch.Generator().manual_seed(5))
+    w, ref_w = repack(raw.to(DEVICE), tid, 37, k), repack(raw, tid, 37, k)
+    gen = torch.Generator().manual_seed(6)
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        q, d, s = quantize_q8_1(x)
+        y = matvec_int8(x, w, block_n=16, nb=2 if qk == 32 else 8, split_k=split_k, num_warps=1, q8_1=(q, d, s))
+        assert torch.isfinite(y).all()
+        ref = reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+        # and against the unquantized activation: the q8_1 rounding only (about 1/127 per element)
+        exact = reference_matmul(x.cpu(), ref_w)
+        assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2

@@ -1,0 +1,285 @@
+"""Decode mat-vec with int8 dot products: y[M, N] = x[M, K] @ W[N, K]^T for M <= 8, the activations
+quantized to q8_1 once (int8 per element, a scale and a scaled sum per 32), W repacked (layout.py).
+
+A candidate beside matmul.matvec and matvec_flat.matvec_flat, with their signature and result (up to the
+activation's quantization, which is the one llama.cpp's MMVQ kernels apply). Four products per
+instruction: `dot4` is dp4a on NVIDIA, v_dot4_i32_i8 on AMD (gfx906 has it and no matrix cores), and
+plain integer arithmetic under the interpreter. Quant words are loaded 16 bytes per thread as in
+matvec_flat (the same tiles: flat_words.py), and a 4-bit word becomes two dot4 operands with one mask
+each (low nibbles, high nibbles), so a block of 32 costs 8 dot4, 8 masks and a few float operations per
+activation row, where the float kernels spend 2-3 instructions on every element.
+
+Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
+  Q8_0  (d * dx) * sum(q * xq).
+  Q4_0  d * (dx * sum(q * xq) - 8 sx), q the unsigned nibble.
+  Q4_K  per 32-element sub-block s: d * sc[s] * dx[s] * sum(q * xq) - dmin * m[s] * sx[s].
+Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
+matmul.reference_matmul in float64); `quantize_q8_1` matches gguf's Q8_0 quantizer element for element.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels.flat_words import program_rows, split4, store_rows, word_ptrs, zero_rows
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_flat import _divisor_at_most, flat_params
+
+Q4_0, Q8_0, Q4_K = 2, 8, 12
+EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
+
+
+@triton.jit
+def dot4(a, b, acc, DOT: tl.constexpr):
+    """acc + the sum of the products of the four signed bytes of a and b (int32 tensors)."""
+    if DOT == 1:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    elif DOT == 2:
+        return tl.inline_asm_elementwise("v_dot4_i32_i8 $0, $1, $2, $3", "=v,v,v,v", [a, b, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for t in tl.static_range(4):
+            acc += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24)
+        return acc
+
+
+@triton.jit
+def _quantize_q8_1_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, stride_xm, BLOCKS: tl.constexpr):
+    """Row program_id(0), BLOCKS blocks of 32 from program_id(1) * BLOCKS: as ggml's quantize_row_q8_1
+    and gguf's Q8_0 quantizer (d = amax / 127, q = round half away from zero of x / d)."""
+    m = tl.program_id(0)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    e = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    live = b < n_blocks
+    x = tl.load(x_ptr + m * stride_xm + e, mask=live[:, None], other=0.0).to(tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(q_ptr + m * n_blocks * 32 + e, q.to(tl.int8), mask=live[:, None])
+    tl.store(d_ptr + m * n_blocks + b, d, mask=live)
+    tl.store(s_ptr + m * n_blocks + b, d * tl.sum(q, axis=1), mask=live)
+
+
+def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (int8 [M, K], scale f32 [M, K / 32], scale * sum f32 [M, K / 32])."""
+    M, K = x.shape
+    if K % 32:
+        raise ValueError(f"q8_1 quantizes blocks of 32; K={K}")
+    x = x.contiguous()
+    n_blocks = K // 32
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, n_blocks, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    blocks = 32
+    _quantize_q8_1_kernel[(M, triton.cdiv(n_blocks, blocks))](x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks)
+    return q, d, s
+
+
+def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """The product the kernels compute: the q8_1 activation dequantized, times dequant(W)^T in float64."""
+    x = (q.double().view(q.shape[0], -1, 32) * d.double()[..., None]).view(q.shape)
+    return reference_matmul(x, w)
+
+
+@triton.jit
+def _x_words(xrow, xw, OFF: tl.constexpr):
+    """Four int32 words of q8_1 activations per group at word xw + OFF: [1, G] each (one 16-byte load)."""
+    return split4(tl.load(xrow + xw + OFF)[None, :, :])
+
+
+@triton.jit
+def _q8_0_kernel(
+    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,  # q8_1 activations (int32 words, scales, sums), partials, weights
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    N, K, blocks_per_split,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+):
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
+    g = tl.arange(0, NB)
+    i4 = tl.arange(0, 4)
+    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 8)[None, :, None] + i4[None, None, :]
+    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0  # run-time stride: see matvec_flat
+    xw = ((first + g) * 8)[:, None] + i4[None, :]
+    xb = first + g
+    acc = zero_rows(M, BLOCK_N, NB)
+    for _ in range(0, n_iter):
+        words = split4(tl.load(qs)) + split4(tl.load(qs + 4))  # word i: elements 4i .. 4i + 3
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = ()
+        for m in tl.static_range(M):
+            xrow = xq_ptr + m * (K // 4)
+            xv = _x_words(xrow, xw, 0) + _x_words(xrow, xw, 4)
+            s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
+            for i in tl.static_range(8):
+                s = dot4(words[i], xv[i], s, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
+            new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
+        acc = new
+        qs += NB * 8
+        dp += NB * b0
+        xw += NB * 8
+        xb += NB
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_0_kernel(
+    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    N, K, blocks_per_split,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+):
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
+    g = tl.arange(0, NB)
+    i4 = tl.arange(0, 4)
+    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 4)[None, :, None] + i4[None, None, :]
+    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0
+    xw = ((first + g) * 8)[:, None] + i4[None, :]
+    xb = first + g
+    acc = zero_rows(M, BLOCK_N, NB)
+    for _ in range(0, n_iter):
+        words = split4(tl.load(qs))  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high)
+        lo = ()
+        hi = ()
+        for i in tl.static_range(4):
+            lo = lo + (words[i] & 0x0F0F0F0F,)
+            hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = ()
+        for m in tl.static_range(M):
+            xrow = xq_ptr + m * (K // 4)
+            xl = _x_words(xrow, xw, 0)
+            xh = _x_words(xrow, xw, 4)
+            s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
+            for i in tl.static_range(4):
+                s = dot4(lo[i], xl[i], s, DOT)
+                s = dot4(hi[i], xh[i], s, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
+            sx = tl.load(sx_ptr + m * (K // 32) + xb)[None, :]
+            new = new + (acc[m] + d * (s.to(tl.float32) * dx - 8.0 * sx),)
+        acc = new
+        qs += NB * 4
+        dp += NB * b0
+        xw += NB * 8
+        xb += NB
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_k_kernel(
+    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+):
+    # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
+    # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
+    G: tl.constexpr = 2 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    g = tl.arange(0, G)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 2
+    j = g % 2
+    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + i4[None, None, :]
+    dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
+    sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
+    xw = (sb * 64 + j * 16)[:, None] + i4[None, :]  # int32 word of sub-block 2j's first element
+    xb = sb * 8 + 2 * j
+    acc = zero_rows(M, BLOCK_N, G)
+    for _ in range(0, n_iter):
+        d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        # six-bit scales and mins of sub-blocks (2j, 2j + 1) then (2j + 4, 2j + 5), bytes packed in pairs
+        scales = (a, (c & 0x0F0F) | ((a >> 2) & 0x3030))
+        mins = (b, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030))
+        new = acc
+        for cc in tl.static_range(2):  # chunk j, then chunk j + 2
+            words = split4(tl.load(qs + 16 * cc)) + split4(tl.load(qs + 16 * cc + 4))
+            lo = ()
+            hi = ()
+            for i in tl.static_range(8):
+                lo = lo + (words[i] & 0x0F0F0F0F,)
+                hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
+            sc_lo = d * (scales[cc] & 63).to(tl.float32)
+            sc_hi = d * ((scales[cc] >> 8) & 63).to(tl.float32)
+            mn_lo = dmin * (mins[cc] & 63).to(tl.float32)
+            mn_hi = dmin * ((mins[cc] >> 8) & 63).to(tl.float32)
+            acc_c = ()
+            for m in tl.static_range(M):
+                xrow = xq_ptr + m * (K // 4)
+                xl = _x_words(xrow, xw, 32 * cc) + _x_words(xrow, xw, 32 * cc + 4)
+                xh = _x_words(xrow, xw, 32 * cc + 8) + _x_words(xrow, xw, 32 * cc + 12)
+                s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+                s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+                for i in tl.static_range(8):
+                    s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+                    s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+                xs = dx_ptr + m * (K // 32) + xb + 4 * cc
+                ss = sx_ptr + m * (K // 32) + xb + 4 * cc
+                dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 1)[None, :]
+                sx_lo, sx_hi = tl.load(ss)[None, :], tl.load(ss + 1)[None, :]
+                acc_c = acc_c + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32)
+                                 - mn_lo * sx_lo - mn_hi * sx_hi,)
+            new = acc_c
+        acc = new
+        qs += NB * 32
+        dm += NB * b0
+        sp += NB * b1
+        xw += NB * 64
+        xb += NB * 8
+    store_rows(part_ptr, acc, M, N, rows)
+
+
+# type id -> (kernel, elements per block); the tiles (and so the launch rule) are matvec_flat's
+_KERNELS = {Q8_0: (_q8_0_kernel, 32), Q4_0: (_q4_0_kernel, 32), Q4_K: (_q4_k_kernel, 256)}
+SUPPORTED = frozenset(_KERNELS)
+
+
+def dot_kind(device: torch.device) -> int:
+    """Which dot4 the device runs: the integer emulation under the interpreter (or on a CPU tensor)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return EMULATE
+    return AMDGCN_DOT4 if torch.version.hip else PTX_DP4A
+
+
+def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+                q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
+    several matmuls of one activation share. Unset launch parameters: matvec_flat's rule or tuning."""
+    M, K = x.shape
+    if K != w.k or not 1 <= M <= 8:
+        raise ValueError(f"matvec_int8 takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+    if w.type_id not in _KERNELS:
+        raise ValueError(f"matvec_int8 has no kernel for {w.type_name}")
+    if not w.repacked:
+        raise ValueError("matvec_int8 reads 16-byte words: the repacked layout (layout.repack) only")
+    p = {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps}
+    if None in p.values():
+        p = {**flat_params(w, M), **{key: v for key, v in p.items() if v is not None}}
+    if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
+        raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
+    q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
+    kernel, qk = _KERNELS[w.type_id]
+    n_blocks = K // qk
+    per_tile = _divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))
+    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
+    split = -(-n_blocks // per_split)
+    part = torch.empty(split, M, w.n, dtype=torch.float32, device=x.device)
+    kernel[(triton.cdiv(w.n, p["block_n"]), split)](
+        q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, per_split,
+        M=M, BLOCK_N=p["block_n"], NB=per_tile, DOT=dot_kind(x.device), num_warps=p["num_warps"],
+        num_stages=num_stages,
+    )
+    return part[0] if split == 1 else part.sum(0)
+
