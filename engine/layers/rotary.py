@@ -63,7 +63,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin() * mscale, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T]."""
+        """x: [T, heads, head_dim]; positions: [T]. One Triton launch on a GPU (triton_kernels/fused.py),
+        the torch code below elsewhere (and as its reference)."""
+        if x.is_cuda:
+            from vegaserve.triton_kernels.fused import rope
+
+            return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, d/2]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]

@@ -29,7 +29,7 @@ from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
-from vegaserve.engine.layers.norm import RMSNorm
+from vegaserve.engine.layers.norm import RMSNorm, silu_mul
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
@@ -103,8 +103,7 @@ class DecoderLayer(nn.Module):
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
         h = h + self.comm.all_reduce(self.o_proj(a.reshape(T, -1)))
-        gate, up = self.gate_up(self.ffn_norm(h)).chunk(2, dim=-1)
-        return h + self.comm.all_reduce(self.down(F.silu(gate) * up))
+        return h + self.comm.all_reduce(self.down(silu_mul(self.gate_up(self.ffn_norm(h)))))
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,80 @@
+"""RMSNorm, rotary embedding and SiLU-mul kernels (triton_kernels/fused.py) against the engine's torch
+code (engine/layers), which is the CPU path: odd sizes, strided views as the model hands them over
+(q and k split out of one qkv output), both rope pairings, a partial rope_dim, outputs poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vegaserve.engine.layers.norm import RMSNorm
+from vegaserve.engine.layers.rotary import RotaryEmbedding
+from vegaserve.engine.models.arch_config import RopeScaling
+from vegaserve.triton_kernels.fused import rms_norm, rope, silu_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "non-finite output: an element the kernel did not write"
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("n", [96, 576, 1000])
+def test_rms_norm_equals_the_torch_norm_on_strided_rows(n):
+    gen = torch.Generator().manual_seed(n)
+    norm = RMSNorm(n, 1e-5)
+    norm.weight.data = torch.randn(n, generator=gen)
+    wide = torch.randn(7, n + 24, generator=gen) * 3
+    x = wide[:, 8 : 8 + n]  # rows with a stride of n + 24, as a split of a wider output
+    y = rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5)
+    assert y.shape == (7, n)
+    assert rel(y, norm(x)) < 1e-6
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["norm", "neox"])
+@pytest.mark.parametrize("rope_dim", [64, 32], ids=["full", "partial"])
+def test_rope_equals_the_torch_rotary_on_qkv_views(neox, rope_dim):
+    gen = torch.Generator().manual_seed(rope_dim + neox)
+    T, H, KV, D = 5, 6, 2, 64
+    rot = RotaryEmbedding(D, rope_dim, 10000.0, 64, RopeScaling(), neox)
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=gen)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+
+    def q_and_k(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([H * D, KV * D, KV * D], dim=-1)
+        return q.view(T, H, D), k.view(T, KV, D)
+
+    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+    for x, ref in zip(q_and_k(qkv.to(DEVICE)), q_and_k(qkv), strict=True):
+        assert x.stride(0) == (H + 2 * KV) * D  # a view into the qkv output, not a copy
+        y = rope(x, positions.to(DEVICE), cos, sin, rope_dim, neox)
+        assert rel(y, rot(ref, positions)) < 1e-6
+
+
+def test_silu_mul_equals_torch_over_several_column_blocks():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2 * 1500, generator=gen) * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert rel(silu_mul(x.to(DEVICE)), F.silu(gate) * up) < 1e-6
+
+
+def test_shapes_the_kernels_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="unit stride"):
+        rms_norm(torch.zeros(4, 8).t(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="rope_dim"):
+        rope(torch.zeros(2, 1, 8), torch.zeros(2, dtype=torch.long), torch.zeros(4, 2), torch.zeros(4, 2), 3, False)
+    with pytest.raises(ValueError, match="2F"):
+        silu_mul(torch.zeros(2, 5))
