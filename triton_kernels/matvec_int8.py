@@ -13,6 +13,9 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
   Q8_0  (d * dx) * sum(q * xq).
   Q4_0  d * (dx * sum(q * xq) - 8 sx), q the unsigned nibble.
   Q4_K  per 32-element sub-block s: d * sc[s] * dx[s] * sum(q * xq) - dmin * m[s] * sx[s].
+  Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
+        its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
+        XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
 matmul.reference_matmul in float64); `quantize_q8_1` matches gguf's Q8_0 quantizer element for element.
 """
@@ -30,7 +33,7 @@ from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import _divisor_at_most, flat_params
 
-Q4_0, Q8_0, Q4_K = 2, 8, 12
+Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
 EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
 
 
@@ -240,8 +243,76 @@ def _q4_k_kernel(
     store_rows(part_ptr, acc, M, N, rows)
 
 
+@triton.jit
+def _minus_32(code):
+    """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
+    return (code + 0x60606060) ^ -0x7F7F7F80
+
+
+@triton.jit
+def _q6_k_kernel(
+    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+):
+    # groups as in matvec_flat: (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
+    # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
+    # high nibble), its two high bits at bit 2j of qh byte l, its scale 8h + l4 + 2j
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    g = tl.arange(0, G)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 4
+    h = (g // 2) % 2
+    l4 = g % 2
+    qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
+    ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]
+    sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
+    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
+    xw = (sb * 64 + h * 32 + l4 * 4)[:, None] + i4[None, :]  # + 8j: the words of code j's 16 elements
+    xb = sb * 8 + h * 4  # + j: their q8_1 block
+    acc = zero_rows(M, BLOCK_N, G)
+    for _ in range(0, n_iter):
+        qh = split4(tl.load(qh_p))
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        new = acc
+        for gm in tl.static_range(2):
+            ql = split4(tl.load(ql_p + 8 * gm))
+            lo = ()
+            hi = ()
+            for i in tl.static_range(4):
+                lo = lo + (_minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
+                hi = hi + (_minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
+            sc_lo = d * tl.load((sp + 2 * gm).to(tl.pointer_type(tl.int8))).to(tl.float32)  # code gm
+            sc_hi = d * tl.load((sp + 2 * gm + 4).to(tl.pointer_type(tl.int8))).to(tl.float32)  # gm + 2
+            acc_g = ()
+            for m in tl.static_range(M):
+                xrow = xq_ptr + m * (K // 4)
+                xl = _x_words(xrow, xw, 8 * gm)
+                xh = _x_words(xrow, xw, 8 * gm + 16)
+                s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+                s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+                for i in tl.static_range(4):
+                    s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+                    s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+                xs = dx_ptr + m * (K // 32) + xb + gm
+                dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
+                acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32),)
+            new = acc_g
+        acc = new
+        qh_p += NB * 16
+        ql_p += NB * 32
+        sp += NB * b2
+        dp += NB * b3
+        xw += NB * 64
+        xb += NB * 8
+    store_rows(part_ptr, acc, M, N, rows)
+
+
 # type id -> (kernel, elements per block); the tiles (and so the launch rule) are matvec_flat's
-_KERNELS = {Q8_0: (_q8_0_kernel, 32), Q4_0: (_q4_0_kernel, 32), Q4_K: (_q4_k_kernel, 256)}
+_KERNELS = {Q8_0: (_q8_0_kernel, 32), Q4_0: (_q4_0_kernel, 32), Q4_K: (_q4_k_kernel, 256),
+            Q6_K: (_q6_k_kernel, 256)}
 SUPPORTED = frozenset(_KERNELS)
 
 
