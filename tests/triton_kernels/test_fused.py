@@ -16,15 +16,7 @@ from vegaserve.triton_kernels.fused import rms_norm, rope, silu_mul
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    real = torch.empty
-
-    def poisoned(*a, **kw):
-        t = real(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -32,16 +32,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double().cpu() - ref).norm() / ref.norm())
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    """torch.empty hands out NaN-filled memory, so unwritten partials cannot pass as zeros."""
-    real = torch.empty
-
-    def poisoned(*a, **kw):
-        t = real(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 @pytest.mark.parametrize("name", TYPES)

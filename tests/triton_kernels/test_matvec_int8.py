@@ -21,15 +21,7 @@ NAMES = {t: s.name for t, s in GGML_TYPES.items()}
 IDS = {s.name: t for t, s in GGML_TYPES.items()}
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    real = torch.empty
-
-    def poisoned(*a, **kw):
-        t = real(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element():

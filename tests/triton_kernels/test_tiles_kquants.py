@@ -31,16 +31,7 @@ CASES = [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q5_K", 512), ("Q6_K", 25
 LAYOUTS = pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
 
 
-@pytest.fixture(autouse=True)
-def poisoned_empty():
-    """torch.empty returns NaN-filled memory for the duration of a test (deterministic mode's fill)."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-    torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
