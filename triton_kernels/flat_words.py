@@ -23,8 +23,8 @@ import triton.language as tl
 @triton.jit
 def magic(S: tl.constexpr, live, SIGNED: tl.constexpr):
     """Bits of 2^(23 - S) (SIGNED: with bit S + 7 set, which flips an int8 field's sign bit). Built from a
-    run-time value: ptxas re-materialises an immediate before every LOP3 that needs it (a MOV each, 30 per
-    64 elements in the sm_90 SASS), while a computed value stays in a register."""
+    run-time value: ptxas re-materialised an immediate before every LOP3 that needed it (a MOV each, seen
+    in the sm_90 SASS when this was written), while a computed value stays in a register."""
     bits = (150 - S) << 23
     if SIGNED:
         bits = bits | (128 << S)
@@ -100,3 +100,25 @@ def store_rows(part_ptr, acc, M: tl.constexpr, N, rows):
     """Row m of this split's partial [M, N] (part [SPLIT_K, M, N]): the group axis reduced, once."""
     for m in tl.static_range(M):
         tl.store(part_ptr + (tl.program_id(1) * M + m) * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+
+
+@triton.jit
+def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WORDS: tl.constexpr):
+    """Blocks first .. first + NB - 1 of a 32-element type with one f16 scale: int32 pointers to each
+    block's first 4 quant words [BLOCK_N, NB, 4] (WORDS words a block) and byte pointers to its scale
+    [BLOCK_N, NB]. The scale's block stride b_d stays a run-time value: with it Triton sees no contiguity
+    in that load and lays it out like the word tile's groups; with the constant 2 it chose a vector load
+    and converted the result through shared memory (barriers in every iteration)."""
+    g = tl.arange(0, NB)
+    qs = word_ptrs(base, o_q, r_q, r64) + ((first + g) * WORDS)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    return qs, base + o_d + r64[:, None] * r_d + (first + g)[None, :] * b_d
+
+
+@triton.jit
+def q4_k_scale_pairs(sp):
+    """Q4_K's six-bit scales and mins of sub-blocks (2j, 2j + 1) and (2j + 4, 2j + 5), two to an int32
+    (bytes 0 and 1, six bits each): sp points at scale byte 2j of each group."""
+    a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # sc[2j], sc[2j + 1]
+    b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # m[2j], m[2j + 1]
+    c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # low four bits of the + 4 ones
+    return a, (c & 0x0F0F) | ((a >> 2) & 0x3030), b, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)

@@ -170,7 +170,7 @@ def dequantize_dense(w: PackedWeight, out: torch.Tensor | None = None, dtype: to
     if qk == 1:
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb
-    nb = _divisor_at_most(w.k // qk, nb)
+    nb = divisor_at_most(w.k // qk, nb)
     if out is None:
         out = torch.empty(w.n, w.k, dtype=dtype, device=w.data.device)
     grid = (triton.cdiv(w.n, block_n), w.k // qk // nb)
@@ -191,7 +191,7 @@ def _qk(type_id: int) -> int:
     return spec_for(type_id).block_size
 
 
-def _divisor_at_most(n: int, want: int) -> int:
+def divisor_at_most(n: int, want: int) -> int:
     """The largest power of two <= want that divides n (tiles never straddle the end of a row)."""
     d = 1
     while d * 2 <= want and n % (d * 2) == 0:
@@ -217,7 +217,7 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb  # nb counts 32-element units: one super-block for K-quants
     n_blocks = K // qk
-    nb = _divisor_at_most(n_blocks, nb)
+    nb = divisor_at_most(n_blocks, nb)
     per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
     split_k = -(-n_blocks // per_split)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)

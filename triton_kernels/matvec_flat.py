@@ -28,23 +28,28 @@ Torch reference: matmul.reference_matmul (dequant.dequantize, then x @ W^T in fl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels.flat_words import (
+    block_planes,
     field,
     magic,
     nibble,
     nibble_magics,
     program_rows,
+    q4_k_scale_pairs,
     split4,
     store_rows,
     word_ptrs,
     x_vec,
     zero_rows,
 )
-from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.layout import PackedWeight, spec_for
+from vegaserve.triton_kernels.matmul import divisor_at_most
 from vegaserve.triton_kernels.matmul import reference_matmul  # noqa: F401 - the ground truth these match
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
 
@@ -60,14 +65,8 @@ def _q8_0_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    g = tl.arange(0, NB)
-    i4 = tl.arange(0, 4)
-    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 8)[None, :, None] + i4[None, None, :]  # + 4: second half
-    # The scale's block stride b0 is a run-time value, so Triton sees no contiguity in this load and lays it
-    # out like the word tile's groups; with the constant 2 it chose a vector load and converted the result
-    # through shared memory (two barriers per iteration in the SASS).
-    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0
-    xk = (first + g)[:, None] * 32 + i4[None, :]
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 8)  # qs + 4: the block's second half
+    xk = (first + tl.arange(0, NB))[:, None] * 32 + tl.arange(0, 4)[None, :]
     live = N > 0
     m0, m8 = magic(0, live, True), magic(8, live, True)
     acc = zero_rows(M, BLOCK_N, NB)
@@ -103,11 +102,8 @@ def _q4_0_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    g = tl.arange(0, NB)
-    i4 = tl.arange(0, 4)
-    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 4)[None, :, None] + i4[None, None, :]
-    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0  # run-time stride: see _q8_0_kernel
-    xk = (first + g)[:, None] * 32 + i4[None, :]
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 4)
+    xk = (first + tl.arange(0, NB))[:, None] * 32 + tl.arange(0, 4)[None, :]
     mags = nibble_magics(N > 0)
     acc = zero_rows(M, BLOCK_N, NB)
     for _ in range(0, n_iter):
@@ -186,13 +182,9 @@ def _q4_k_kernel(
     for _ in range(0, n_iter):
         d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
         dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # six bits: sc[2j], sc[2j + 1]
-        b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # m[2j], m[2j + 1]
-        c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # low four bits of the + 4 ones
-        sc_hi = (c & 0x0F0F) | ((a >> 2) & 0x3030)  # sc[2j + 4], sc[2j + 5]
-        m_hi = ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)
-        # chunk j, then chunk j + 2; with M > 1 rolled: Triton's coalescing pass takes about (loads x ops)
-        # of the loop body, 50 s at M = 8 unrolled
+        a, sc_hi, b, m_hi = q4_k_scale_pairs(sp)
+        # chunk j, then chunk j + 2; with M > 1 rolled: unrolled, Triton's compile time grows with loads x
+        # ops of the loop body (tens of seconds at M = 8 when these kernels were written; not re-timed)
         new = acc
         for cc in tl.range(0, 2, loop_unroll_factor=2 if M == 1 else 1):
             words = split4(tl.load(qs + 16 * cc)) + split4(tl.load(qs + 16 * cc + 4))
@@ -258,7 +250,7 @@ def _q6_k_kernel(
     l4 = g % 2
     qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
     ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]  # + 8: gm 1
-    # scale of sub-block 8h + l4 (+ 2 gm + 4 gh); b2 (16) and b3 at run time: see _q8_0_kernel
+    # scale of sub-block 8h + l4 (+ 2 gm + 4 gh); b2 (16) and b3 at run time: see flat_words.block_planes
     sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
     dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
     xk = (sb * 256 + h * 128 + l4 * 16)[:, None] + i4[None, :]
@@ -297,7 +289,7 @@ SUPPORTED = frozenset(_KERNELS)
 #   below 32: an activation tensor [G, 4] of 128 elements or more counts as expensive to re-materialise
 #   in Triton's layout pass, and the kernels then converted it through shared memory on every load.
 # - rows per thread: 4 (its activation vectors serve 4 rows); 2 for the K-quants at M > 1, which at 4
-#   spill on sm_90 (ptxas, Triton 3.9: Q4_0 M = 8 at 4 rows uses 254 registers, Q4_K M = 8 at 2 rows 197).
+#   spilled registers on sm_90 when these kernels were written (ptxas output; not re-checked since).
 # - 4 warps; a wave64 target (gfx906) puts twice the rows in a warp, so block_n doubles there.
 # - split K while a SM's rows (N * split / SMs) times the bytes of a tile row stay under 24 KiB in flight
 #   (a SM's share of 4.25 TB/s for ~1 us of latency is ~32 KB) and every split keeps 2 tiles.
@@ -314,7 +306,7 @@ def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 3
 def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> list[dict[str, int]]:
     """The rule and its neighbours, one knob each: split-K doubled and halved; at M = 1 also the other
     group count, half and (legacy types) twice the rows per thread, and 8 warps. At M > 1 only split-K
-    varies for the K-quants: each of their M = 8 kernels takes Triton ~15 s to compile."""
+    varies for the K-quants: each of their M = 8 kernels takes Triton many seconds to compile."""
     base = rule(type_id, n, k, m, sm_count, warp_size)
     _, qk, gpb, bpg = _KERNELS[type_id]
     groups = base["nb"] * 32 // qk * gpb
@@ -333,9 +325,10 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: i
     return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
 
 
-def flat_params(w: PackedWeight, m: int, tuning: Tuning | None = None) -> dict[str, int]:
-    """Launch parameters from the tuning file's "matvec_flat" entry (keyed like "matvec"), else the rule."""
-    found = (tuning or load_tuning()).measured("matvec_flat", w.type_name, w.n, w.k, m)
+def flat_params(w: PackedWeight, m: int, tuning: Tuning | None = None, op: str = "matvec_flat") -> dict[str, int]:
+    """Launch parameters from the tuning file's `op` entry (keyed like "matvec"), else the rule (which
+    the word-tile kernels share: matvec_int8 loads the same tiles)."""
+    found = (tuning or load_tuning()).measured(op, w.type_name, w.n, w.k, m)
     if found is not None:
         return found
     if w.data.device.type == "cuda":
@@ -344,47 +337,70 @@ def flat_params(w: PackedWeight, m: int, tuning: Tuning | None = None) -> dict[s
     return rule(w.type_id, w.n, w.k, m, 132)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A word-tile mat-vec's launch: parameters, super-blocks (or blocks) per tile, per K split, splits."""
+
+    params: dict[str, int]
+    per_tile: int
+    per_split: int
+    split: int
+
+    def grid(self, n: int) -> tuple[int, int]:
+        return triton.cdiv(n, self.params["block_n"]), self.split
+
+
+def plan_launch(op: str, x: torch.Tensor, w: PackedWeight, supported: frozenset[int],
+                given: dict[str, int | None]) -> Launch:
+    """The checks and the K split of `op` (matvec_flat, matvec_int8) for x [M, K] on w; parameters not
+    `given` come from `flat_params` under the tuning key `op`."""
+    M, K = x.shape
+    if K != w.k or not 1 <= M <= 8:
+        raise ValueError(f"{op} takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+    if w.type_id not in supported:
+        raise ValueError(f"{op} has no kernel for {w.type_name}")
+    if not w.repacked:
+        raise ValueError(f"{op} reads 16-byte words: the repacked layout (layout.repack) only")
+    p = dict(given)
+    if None in p.values():
+        p = {**flat_params(w, M, op=op), **{key: v for key, v in p.items() if v is not None}}
+    if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
+        # BLOCK_N 2 and 4 gave wrong sums in matmul.matvec on an H200 (docs/PERF.md, 2026-12-02)
+        raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
+    qk = spec_for(w.type_id).block_size
+    n_blocks = K // qk
+    per_tile = divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))  # tiles never straddle a row end
+    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
+    return Launch(p, per_tile, per_split, -(-n_blocks // per_split))
+
+
 def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, num_stages: int = 1) -> torch.Tensor:
     """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32, as matmul.matvec; W in the repacked layout. nb counts
     32-element units (whole super-blocks for K-quants); unset parameters come from `flat_params`."""
-    M, K = x.shape
-    if K != w.k or not 1 <= M <= 8:
-        raise ValueError(f"matvec_flat takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
-    if w.type_id not in _KERNELS:
-        raise ValueError(f"matvec_flat has no kernel for {w.type_name}")
-    if not w.repacked:
-        raise ValueError("matvec_flat reads 16-byte words: the repacked layout (layout.repack) only")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"activations must be f32, f16 or bf16, got {x.dtype}")
-    p = {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps}
-    if None in p.values():
-        p = {**flat_params(w, M), **{key: v for key, v in p.items() if v is not None}}
-    if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
-        # BLOCK_N 2 and 4 gave wrong sums in matmul.matvec on an H200 (docs/PERF.md, 2026-12-02)
-        raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
-    kernel, qk, _, _ = _KERNELS[w.type_id]
+    plan = plan_launch("matvec_flat", x, w, SUPPORTED,
+                       {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
+    M, K = x.shape
     x = x.contiguous()
-    n_blocks = K // qk
-    per_tile = _divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))  # tiles never straddle a row end
-    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
-    split = -(-n_blocks // per_split)
-    part = torch.empty(split, M, w.n, dtype=torch.float32, device=x.device)
+    part = torch.empty(plan.split, M, w.n, dtype=torch.float32, device=x.device)
     xs = ()
     if w.type_id == Q4_K:  # activation sums per 32 elements (read by the kernel when M > 1)
         xs = (x.float().view(M, K // 32, 32).sum(-1) if M > 1 else x,)
-    kernel[(triton.cdiv(w.n, p["block_n"]), split)](
-        x, part, w.data, *xs, *w.field_args(), w.n, K, per_split, x.stride(0),
-        M=M, BLOCK_N=p["block_n"], NB=per_tile, num_warps=p["num_warps"], num_stages=num_stages,
+    _KERNELS[w.type_id][0][plan.grid(w.n)](
+        x, part, w.data, *xs, *w.field_args(), w.n, K, plan.per_split, x.stride(0),
+        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, num_warps=plan.params["num_warps"],
+        num_stages=num_stages,
     )
-    return part[0] if split == 1 else part.sum(0)
+    return part[0] if plan.split == 1 else part.sum(0)
 
 
 def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, warp_size: int,
             sm_count: int) -> dict[str, int]:
     """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
     _, qk, gpb, bpg = _KERNELS[type_id]
-    blocks = _divisor_at_most(k // qk, max(1, groups // gpb))
+    blocks = divisor_at_most(k // qk, max(1, groups // gpb))
     groups = blocks * gpb
     block_n = max(8, min(256, rows * warp_size * warps // groups))
     iters = (k // qk) // blocks
@@ -393,10 +409,3 @@ def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, wa
         split *= 2
     return {"block_n": block_n, "nb": blocks * qk // 32, "num_warps": warps, "split_k": split}
 
-
-def _divisor_at_most(n: int, want: int) -> int:
-    """The largest power of two <= want that divides n."""
-    d = 1
-    while d * 2 <= want and n % (d * 2) == 0:
-        d *= 2
-    return d

@@ -3,8 +3,8 @@ quantized to q8_1 once (int8 per element, a scale and a scaled sum per 32), W re
 
 A candidate beside matmul.matvec and matvec_flat.matvec_flat, with their signature and result (up to the
 activation's quantization, which is the one llama.cpp's MMVQ kernels apply). Four products per
-instruction: `dot4` is dp4a on NVIDIA, v_dot4_i32_i8 on AMD (gfx906 has it and no matrix cores), and
-plain integer arithmetic under the interpreter. Quant words are loaded 16 bytes per thread as in
+instruction: `dot4` is dp4a on NVIDIA, v_dot4_i32_i8 on AMD (gfx906 has it and no matrix cores; this
+path has not run on an AMD GPU yet), and plain integer arithmetic under the interpreter. Quant words are loaded 16 bytes per thread as in
 matvec_flat (the same tiles: flat_words.py), and a 4-bit word becomes two dot4 operands with one mask
 each (low nibbles, high nibbles), so a block of 32 costs 8 dot4, 8 masks and a few float operations per
 activation row, where the float kernels spend 2-3 instructions on every element.
@@ -28,10 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from vegaserve.triton_kernels.flat_words import program_rows, split4, store_rows, word_ptrs, zero_rows
+from vegaserve.triton_kernels.flat_words import (
+    block_planes,
+    program_rows,
+    q4_k_scale_pairs,
+    split4,
+    store_rows,
+    word_ptrs,
+    zero_rows,
+)
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
-from vegaserve.triton_kernels.matvec_flat import _divisor_at_most, flat_params
+from vegaserve.triton_kernels.matvec_flat import plan_launch
 
 Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
 EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
@@ -105,12 +113,9 @@ def _q8_0_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    g = tl.arange(0, NB)
-    i4 = tl.arange(0, 4)
-    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 8)[None, :, None] + i4[None, None, :]
-    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0  # run-time stride: see matvec_flat
-    xw = ((first + g) * 8)[:, None] + i4[None, :]
-    xb = first + g
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 8)
+    xb = first + tl.arange(0, NB)
+    xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
     for _ in range(0, n_iter):
         words = split4(tl.load(qs)) + split4(tl.load(qs + 4))  # word i: elements 4i .. 4i + 3
@@ -140,12 +145,9 @@ def _q4_0_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    g = tl.arange(0, NB)
-    i4 = tl.arange(0, 4)
-    qs = word_ptrs(base, o1, r1, r64) + ((first + g) * 4)[None, :, None] + i4[None, None, :]
-    dp = base + o0 + r64[:, None] * r0 + (first + g)[None, :] * b0
-    xw = ((first + g) * 8)[:, None] + i4[None, :]
-    xb = first + g
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 4)
+    xb = first + tl.arange(0, NB)
+    xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
     for _ in range(0, n_iter):
         words = split4(tl.load(qs))  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high)
@@ -199,12 +201,9 @@ def _q4_k_kernel(
     for _ in range(0, n_iter):
         d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
         dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        # six-bit scales and mins of sub-blocks (2j, 2j + 1) then (2j + 4, 2j + 5), bytes packed in pairs
-        scales = (a, (c & 0x0F0F) | ((a >> 2) & 0x3030))
-        mins = (b, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030))
+        sc_a, sc_b, mn_a, mn_b = q4_k_scale_pairs(sp)
+        scales = (sc_a, sc_b)
+        mins = (mn_a, mn_b)
         new = acc
         for cc in tl.static_range(2):  # chunk j, then chunk j + 2
             words = split4(tl.load(qs + 16 * cc)) + split4(tl.load(qs + 16 * cc + 4))
@@ -310,9 +309,8 @@ def _q6_k_kernel(
     store_rows(part_ptr, acc, M, N, rows)
 
 
-# type id -> (kernel, elements per block); the tiles (and so the launch rule) are matvec_flat's
-_KERNELS = {Q8_0: (_q8_0_kernel, 32), Q4_0: (_q4_0_kernel, 32), Q4_K: (_q4_k_kernel, 256),
-            Q6_K: (_q6_k_kernel, 256)}
+# type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
+_KERNELS = {Q8_0: _q8_0_kernel, Q4_0: _q4_0_kernel, Q4_K: _q4_k_kernel, Q6_K: _q6_k_kernel}
 SUPPORTED = frozenset(_KERNELS)
 
 
@@ -327,30 +325,16 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                 split_k: int | None = None, num_warps: int | None = None, num_stages: int = 1,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
-    several matmuls of one activation share. Unset launch parameters: matvec_flat's rule or tuning."""
+    several matmuls of one activation share. Unset launch parameters: the tuning file's "matvec_int8"
+    entry, else matvec_flat's rule."""
+    plan = plan_launch("matvec_int8", x, w, SUPPORTED,
+                       {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
     M, K = x.shape
-    if K != w.k or not 1 <= M <= 8:
-        raise ValueError(f"matvec_int8 takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
-    if w.type_id not in _KERNELS:
-        raise ValueError(f"matvec_int8 has no kernel for {w.type_name}")
-    if not w.repacked:
-        raise ValueError("matvec_int8 reads 16-byte words: the repacked layout (layout.repack) only")
-    p = {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps}
-    if None in p.values():
-        p = {**flat_params(w, M), **{key: v for key, v in p.items() if v is not None}}
-    if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
-        raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    kernel, qk = _KERNELS[w.type_id]
-    n_blocks = K // qk
-    per_tile = _divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))
-    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
-    split = -(-n_blocks // per_split)
-    part = torch.empty(split, M, w.n, dtype=torch.float32, device=x.device)
-    kernel[(triton.cdiv(w.n, p["block_n"]), split)](
-        q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, per_split,
-        M=M, BLOCK_N=p["block_n"], NB=per_tile, DOT=dot_kind(x.device), num_warps=p["num_warps"],
-        num_stages=num_stages,
+    part = torch.empty(plan.split, M, w.n, dtype=torch.float32, device=x.device)
+    _KERNELS[w.type_id][plan.grid(w.n)](
+        q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, plan.per_split,
+        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, DOT=dot_kind(x.device),
+        num_warps=plan.params["num_warps"], num_stages=num_stages,
     )
-    return part[0] if split == 1 else part.sum(0)
-
+    return part[0] if plan.split == 1 else part.sum(0)

@@ -4,7 +4,7 @@ target (`cuda_sm90`, `hip_gfx906`, ...), never a hard-coded device name in a lau
 
 File format:
     {"target": "cuda_sm90", "matvec": {"Q4_K": {"large": {"1": {...}, "8": {...}}}, ...},
-     "matvec_flat": {...keyed like "matvec"...}, "matvec_kernel": {"Q4_K": "flat"},
+     "matvec_flat": {...keyed like "matvec"...}, "matvec_int8": {...}, "matvec_kernel": {"Q4_K": "int8"},
      "prefill": {"dense_from_m": 9}}
 Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`. Row counts 1..8 map to the nearest
 measured count at or above them.

@@ -130,7 +130,7 @@ class TritonMethod(QuantMethod):
         if kind == "flat" and w.repacked and w.type_id in matvec_flat.SUPPORTED:
             return matvec_flat.matvec_flat, matvec_flat.flat_params(w, m, self.tuning)
         if kind == "int8" and w.repacked and w.type_id in matvec_int8.SUPPORTED:
-            return matvec_int8.matvec_int8, matvec_flat.flat_params(w, m, self.tuning)
+            return matvec_int8.matvec_int8, matvec_flat.flat_params(w, m, self.tuning, op="matvec_int8")
         return matvec, self.tuning.matvec(w.type_name, w.n, w.k, m)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -138,8 +138,10 @@ class TritonMethod(QuantMethod):
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
-            outs = [fn(x, w, **cfg) for w, by_m in zip(layer.packed, layer.tuned, strict=True)
-                    for fn, cfg in (by_m[m - 1],)]
+            outs = []
+            for w, by_m in zip(layer.packed, layer.tuned, strict=True):
+                fn, cfg = by_m[m - 1]
+                outs.append(fn(x, w, **cfg))
         else:
             xq = x.to(self.gemm_dtype)
             outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
