@@ -115,10 +115,23 @@ def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WO
 
 
 @triton.jit
-def q4_k_scale_pairs(sp):
-    """Q4_K's six-bit scales and mins of sub-blocks (2j, 2j + 1) and (2j + 4, 2j + 5), two to an int32
-    (bytes 0 and 1, six bits each): sp points at scale byte 2j of each group."""
+def q4_k_scale_words(sp):
+    """The three 16-bit loads q4_k_scale_pairs decodes (sp: scale byte 2j of each group)."""
     a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # sc[2j], sc[2j + 1]
     b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # m[2j], m[2j + 1]
     c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # low four bits of the + 4 ones
+    return a, b, c
+
+
+@triton.jit
+def q4_k_scale_decode(a, b, c):
+    """q4_k_scale_pairs from the words q4_k_scale_words loaded."""
     return a, (c & 0x0F0F) | ((a >> 2) & 0x3030), b, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)
+
+
+@triton.jit
+def q4_k_scale_pairs(sp):
+    """Q4_K's six-bit scales and mins of sub-blocks (2j, 2j + 1) and (2j + 4, 2j + 5), two to an int32
+    (bytes 0 and 1, six bits each): sp points at scale byte 2j of each group."""
+    a, b, c = q4_k_scale_words(sp)
+    return q4_k_scale_decode(a, b, c)

@@ -31,7 +31,8 @@ import triton.language as tl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
     program_rows,
-    q4_k_scale_pairs,
+    q4_k_scale_decode,
+    q4_k_scale_words,
     split4,
     store_rows,
     word_ptrs,
@@ -106,35 +107,91 @@ def _x_words(xrow, xw, OFF: tl.constexpr):
 
 
 @triton.jit
+def _advance(more, step):
+    """The step a tile pointer takes to the next tile, 0 on the last one: the prefetch after it reloads
+    the last tile (a cache hit) instead of reading past the split's end."""
+    return tl.where(more, step, 0)
+
+
+@triton.jit
+def _legacy_tile(qs, dp, HALVES: tl.constexpr):
+    """Loads of one tile of a 32-element type: the f16 scales and HALVES 16-byte runs of each block."""
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    if HALVES == 2:
+        return d, tl.load(qs), tl.load(qs + 4)
+    else:
+        return d, tl.load(qs), tl.load(qs)
+
+
+@triton.jit
+def _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+               DOT: tl.constexpr):
+    d, h0, h1 = tile
+    words = split4(h0) + split4(h1)  # word i: elements 4i .. 4i + 3 of the block
+    new = ()
+    for m in tl.static_range(M):
+        xrow = xq_ptr + m * (K // 4)
+        xv = _x_words(xrow, xw, 0) + _x_words(xrow, xw, 4)
+        s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
+        for i in tl.static_range(8):
+            s = dot4(words[i], xv[i], s, DOT)
+        dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
+        new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
+    return new
+
+
+@triton.jit
 def _q8_0_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,  # q8_1 activations (int32 words, scales, sums), partials, weights
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 8)
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
-    for _ in range(0, n_iter):
-        words = split4(tl.load(qs)) + split4(tl.load(qs + 4))  # word i: elements 4i .. 4i + 3
-        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-        new = ()
-        for m in tl.static_range(M):
-            xrow = xq_ptr + m * (K // 4)
-            xv = _x_words(xrow, xw, 0) + _x_words(xrow, xw, 4)
-            s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
-            for i in tl.static_range(8):
-                s = dot4(words[i], xv[i], s, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
-            new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
-        acc = new
-        qs += NB * 8
-        dp += NB * b0
+    tile = _legacy_tile(qs, dp, 2)
+    for it in range(0, n_iter):
+        more = it + 1 < n_iter
+        qs += _advance(more, NB * 8)
+        dp += _advance(more, NB * b0)
+        if PREFETCH:
+            nxt = _legacy_tile(qs, dp, 2)
+            acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+            tile = nxt
+        else:
+            acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+            tile = _legacy_tile(qs, dp, 2)
         xw += NB * 8
         xb += NB
     store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+               NB: tl.constexpr, DOT: tl.constexpr):
+    d, q, _ = tile
+    words = split4(q)  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high)
+    lo = ()
+    hi = ()
+    for i in tl.static_range(4):
+        lo = lo + (words[i] & 0x0F0F0F0F,)
+        hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
+    new = ()
+    for m in tl.static_range(M):
+        xrow = xq_ptr + m * (K // 4)
+        xl = _x_words(xrow, xw, 0)
+        xh = _x_words(xrow, xw, 4)
+        s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
+        for i in tl.static_range(4):
+            s = dot4(lo[i], xl[i], s, DOT)
+            s = dot4(hi[i], xh[i], s, DOT)
+        dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
+        sx = tl.load(sx_ptr + m * (K // 32) + xb)[None, :]
+        new = new + (acc[m] + d * (s.to(tl.float32) * dx - 8.0 * sx),)
+    return new
 
 
 @triton.jit
@@ -142,39 +199,98 @@ def _q4_0_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 4)
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
-    for _ in range(0, n_iter):
-        words = split4(tl.load(qs))  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high)
-        lo = ()
-        hi = ()
-        for i in tl.static_range(4):
-            lo = lo + (words[i] & 0x0F0F0F0F,)
-            hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
-        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-        new = ()
-        for m in tl.static_range(M):
-            xrow = xq_ptr + m * (K // 4)
-            xl = _x_words(xrow, xw, 0)
-            xh = _x_words(xrow, xw, 4)
-            s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
-            for i in tl.static_range(4):
-                s = dot4(lo[i], xl[i], s, DOT)
-                s = dot4(hi[i], xh[i], s, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
-            sx = tl.load(sx_ptr + m * (K // 32) + xb)[None, :]
-            new = new + (acc[m] + d * (s.to(tl.float32) * dx - 8.0 * sx),)
-        acc = new
-        qs += NB * 4
-        dp += NB * b0
+    tile = _legacy_tile(qs, dp, 1)
+    for it in range(0, n_iter):
+        more = it + 1 < n_iter
+        qs += _advance(more, NB * 4)
+        dp += _advance(more, NB * b0)
+        if PREFETCH:
+            nxt = _legacy_tile(qs, dp, 1)
+            acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+            tile = nxt
+        else:
+            acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+            tile = _legacy_tile(qs, dp, 1)
         xw += NB * 8
         xb += NB
     store_rows(part_ptr, acc, M, N, rows)
+
+
+@triton.jit
+def _q4_k_tile(qs, dm, sp):
+    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group."""
+    d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    a, b, c = q4_k_scale_words(sp)
+    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + 4), tl.load(qs + 16), tl.load(qs + 20)
+
+
+@triton.jit
+def _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr):
+    """Loads of the activations one Q4_K tile multiplies, per row m of x: the [1, G, 4] int32 runs of
+    sub-blocks 2j, 2j + 1 (chunk j) and 2j + 4, 2j + 5 (chunk j + 2), their q8_1 scales and sums [1, G]."""
+    out = ()
+    for m in tl.static_range(M):
+        xrow = xq_ptr + m * (K // 4)
+        runs = ()
+        for r in tl.static_range(8):  # chunk cc = r // 4: words 32 cc + 4 (r % 4)
+            runs = runs + (tl.load(xrow + xw + 32 * (r // 4) + 4 * (r % 4))[None, :, :],)
+        xs = dx_ptr + m * (K // 32) + xb
+        ss = sx_ptr + m * (K // 32) + xb
+        dx = (tl.load(xs), tl.load(xs + 1), tl.load(xs + 4), tl.load(xs + 5))
+        sx = (tl.load(ss), tl.load(ss + 1), tl.load(ss + 4), tl.load(ss + 5))
+        out = out + ((runs, dx, sx),)
+    return out
+
+
+@triton.jit
+def _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+               G: tl.constexpr, DOT: tl.constexpr):
+    """The tile's products; the activations from `acts` (_q4_k_acts) at M = 1, loaded here per chunk
+    and row of x above (all of them at once would take 40 registers per row of x)."""
+    d, dmin, a, b, c, q0, q1, q2, q3 = tile
+    sc_a, sc_b, mn_a, mn_b = q4_k_scale_decode(a, b, c)
+    scales = (sc_a, sc_b)
+    mins = (mn_a, mn_b)
+    runs = ((q0, q1), (q2, q3))
+    new = acc
+    for cc in tl.static_range(2):  # chunk j, then chunk j + 2
+        words = split4(runs[cc][0]) + split4(runs[cc][1])
+        lo = ()
+        hi = ()
+        for i in tl.static_range(8):
+            lo = lo + (words[i] & 0x0F0F0F0F,)
+            hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
+        sc_lo = d * (scales[cc] & 63).to(tl.float32)
+        sc_hi = d * ((scales[cc] >> 8) & 63).to(tl.float32)
+        mn_lo = dmin * (mins[cc] & 63).to(tl.float32)
+        mn_hi = dmin * ((mins[cc] >> 8) & 63).to(tl.float32)
+        acc_c = ()
+        for m in tl.static_range(M):
+            if M == 1:
+                xr, dx, sx = acts[0]
+            else:
+                xr, dx, sx = _q4_k_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), sx_ptr + m * (K // 32),
+                                        xw, xb, K, 1)[0]
+            xl = split4(xr[4 * cc]) + split4(xr[4 * cc + 1])
+            xh = split4(xr[4 * cc + 2]) + split4(xr[4 * cc + 3])
+            s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(8):
+                s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+                s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+            acc_c = acc_c + (new[m] + sc_lo * dx[2 * cc] * s_lo.to(tl.float32)
+                             + sc_hi * dx[2 * cc + 1] * s_hi.to(tl.float32)
+                             - mn_lo * sx[2 * cc] - mn_hi * sx[2 * cc + 1],)
+        new = acc_c
+    return new
 
 
 @triton.jit
@@ -182,7 +298,7 @@ def _q4_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
@@ -196,49 +312,37 @@ def _q4_k_kernel(
     dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
     sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
     xw = (sb * 64 + j * 16)[:, None] + i4[None, :]  # int32 word of sub-block 2j's first element
-    xb = sb * 8 + 2 * j
+    # q8_1 block of sub-block 2j, [BLOCK_N, G] (the same for every row): loaded in the accumulators'
+    # shape, a [1, G] load got a layout of its own and a conversion through shared memory per row of x
+    xb = (sb * 8 + 2 * j)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     acc = zero_rows(M, BLOCK_N, G)
-    for _ in range(0, n_iter):
-        d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
-        dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        sc_a, sc_b, mn_a, mn_b = q4_k_scale_pairs(sp)
-        scales = (sc_a, sc_b)
-        mins = (mn_a, mn_b)
-        new = acc
-        for cc in tl.static_range(2):  # chunk j, then chunk j + 2
-            words = split4(tl.load(qs + 16 * cc)) + split4(tl.load(qs + 16 * cc + 4))
-            lo = ()
-            hi = ()
-            for i in tl.static_range(8):
-                lo = lo + (words[i] & 0x0F0F0F0F,)
-                hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
-            sc_lo = d * (scales[cc] & 63).to(tl.float32)
-            sc_hi = d * ((scales[cc] >> 8) & 63).to(tl.float32)
-            mn_lo = dmin * (mins[cc] & 63).to(tl.float32)
-            mn_hi = dmin * ((mins[cc] >> 8) & 63).to(tl.float32)
-            acc_c = ()
-            for m in tl.static_range(M):
-                xrow = xq_ptr + m * (K // 4)
-                xl = _x_words(xrow, xw, 32 * cc) + _x_words(xrow, xw, 32 * cc + 4)
-                xh = _x_words(xrow, xw, 32 * cc + 8) + _x_words(xrow, xw, 32 * cc + 12)
-                s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-                s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-                for i in tl.static_range(8):
-                    s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-                    s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-                xs = dx_ptr + m * (K // 32) + xb + 4 * cc
-                ss = sx_ptr + m * (K // 32) + xb + 4 * cc
-                dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 1)[None, :]
-                sx_lo, sx_hi = tl.load(ss)[None, :], tl.load(ss + 1)[None, :]
-                acc_c = acc_c + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32)
-                                 - mn_lo * sx_lo - mn_hi * sx_hi,)
-            new = acc_c
-        acc = new
-        qs += NB * 32
-        dm += NB * b0
-        sp += NB * b1
-        xw += NB * 64
-        xb += NB * 8
+    ACTS: tl.constexpr = 1 if M == 1 else 0  # rows of x whose activations are loaded with the tile
+    tile = _q4_k_tile(qs, dm, sp)
+    acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+    for it in range(0, n_iter):
+        more = it + 1 < n_iter
+        xw0 = xw  # this tile's activation offsets (read in the dots where M > 1)
+        xb0 = xb
+        qs += _advance(more, NB * 32)
+        dm += _advance(more, NB * b0)
+        sp += _advance(more, NB * b1)
+        xw += _advance(more, NB * 64)
+        xb += _advance(more, NB * 8)
+        if PREFETCH == 2:  # the weights and the activations of the next tile before these dots
+            nxt = _q4_k_tile(qs, dm, sp)
+            nxt_acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
+            tile = nxt
+            acts = nxt_acts
+        elif PREFETCH == 1:  # the weights
+            nxt = _q4_k_tile(qs, dm, sp)
+            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
+            tile = nxt
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+        else:
+            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
+            tile = _q4_k_tile(qs, dm, sp)
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     store_rows(part_ptr, acc, M, N, rows)
 
 
@@ -249,11 +353,54 @@ def _minus_32(code):
 
 
 @triton.jit
+def _q6_k_tile(qh_p, ql_p, sp, dp):
+    """Loads of one Q6_K tile: d, the group's four scale bytes, its qh run and its two ql runs."""
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    s8 = sp.to(tl.pointer_type(tl.int8))
+    scales = (tl.load(s8).to(tl.float32), tl.load(s8 + 2).to(tl.float32), tl.load(s8 + 4).to(tl.float32),
+              tl.load(s8 + 6).to(tl.float32))  # codes 0, 1, 2, 3 of the group (gm + 2 gh)
+    return d, scales, tl.load(qh_p), tl.load(ql_p), tl.load(ql_p + 8)
+
+
+@triton.jit
+def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+               DOT: tl.constexpr):
+    d, scales, qh_w, ql0, ql1 = tile
+    qh = split4(qh_w)
+    qls = (ql0, ql1)
+    new = acc
+    for gm in tl.static_range(2):
+        ql = split4(qls[gm])
+        lo = ()
+        hi = ()
+        for i in tl.static_range(4):
+            lo = lo + (_minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
+            hi = hi + (_minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
+        sc_lo = d * scales[gm]  # code gm
+        sc_hi = d * scales[gm + 2]  # code gm + 2
+        acc_g = ()
+        for m in tl.static_range(M):
+            xrow = xq_ptr + m * (K // 4)
+            xl = _x_words(xrow, xw, 8 * gm)
+            xh = _x_words(xrow, xw, 8 * gm + 16)
+            s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(4):
+                s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+                s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+            xs = dx_ptr + m * (K // 32) + xb + gm
+            dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
+            acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32),)
+        new = acc_g
+    return new
+
+
+@triton.jit
 def _q6_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
     # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
@@ -272,38 +419,20 @@ def _q6_k_kernel(
     xw = (sb * 64 + h * 32 + l4 * 4)[:, None] + i4[None, :]  # + 8j: the words of code j's 16 elements
     xb = sb * 8 + h * 4  # + j: their q8_1 block
     acc = zero_rows(M, BLOCK_N, G)
-    for _ in range(0, n_iter):
-        qh = split4(tl.load(qh_p))
-        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-        new = acc
-        for gm in tl.static_range(2):
-            ql = split4(tl.load(ql_p + 8 * gm))
-            lo = ()
-            hi = ()
-            for i in tl.static_range(4):
-                lo = lo + (_minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
-                hi = hi + (_minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
-            sc_lo = d * tl.load((sp + 2 * gm).to(tl.pointer_type(tl.int8))).to(tl.float32)  # code gm
-            sc_hi = d * tl.load((sp + 2 * gm + 4).to(tl.pointer_type(tl.int8))).to(tl.float32)  # gm + 2
-            acc_g = ()
-            for m in tl.static_range(M):
-                xrow = xq_ptr + m * (K // 4)
-                xl = _x_words(xrow, xw, 8 * gm)
-                xh = _x_words(xrow, xw, 8 * gm + 16)
-                s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-                s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-                for i in tl.static_range(4):
-                    s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-                    s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-                xs = dx_ptr + m * (K // 32) + xb + gm
-                dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
-                acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32),)
-            new = acc_g
-        acc = new
-        qh_p += NB * 16
-        ql_p += NB * 32
-        sp += NB * b2
-        dp += NB * b3
+    tile = _q6_k_tile(qh_p, ql_p, sp, dp)
+    for it in range(0, n_iter):
+        more = it + 1 < n_iter
+        qh_p += _advance(more, NB * 16)
+        ql_p += _advance(more, NB * 32)
+        sp += _advance(more, NB * b2)
+        dp += _advance(more, NB * b3)
+        if PREFETCH:
+            nxt = _q6_k_tile(qh_p, ql_p, sp, dp)
+            acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
+            tile = nxt
+        else:
+            acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
+            tile = _q6_k_tile(qh_p, ql_p, sp, dp)
         xw += NB * 64
         xb += NB * 8
     store_rows(part_ptr, acc, M, N, rows)
@@ -322,11 +451,12 @@ def dot_kind(device: torch.device) -> int:
 
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
-                split_k: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+                split_k: int | None = None, num_warps: int | None = None, prefetch: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
-    several matmuls of one activation share. Unset launch parameters: the tuning file's "matvec_int8"
-    entry, else matvec_flat's rule."""
+    several matmuls of one activation share. `prefetch` 1 loads tile i + 1 before the dot products of
+    tile i (registers double-buffered), 0 after them. Unset launch parameters: the tuning file's
+    "matvec_int8" entry, else matvec_flat's rule (prefetch 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED,
                        {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
     M, K = x.shape
@@ -335,6 +465,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     _KERNELS[w.type_id][plan.grid(w.n)](
         q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, plan.per_split,
         M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, DOT=dot_kind(x.device),
-        num_warps=plan.params["num_warps"], num_stages=num_stages,
+        PREFETCH=int(prefetch if prefetch is not None else plan.params.get("prefetch", 1)),
+        num_warps=plan.params["num_warps"], num_stages=1,
     )
     return part[0] if plan.split == 1 else part.sum(0)
