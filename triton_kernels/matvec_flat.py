@@ -326,15 +326,15 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: i
 
 
 def flat_params(w: PackedWeight, m: int, tuning: Tuning | None = None, op: str = "matvec_flat") -> dict[str, int]:
-    """Launch parameters from the tuning file's `op` entry (keyed like "matvec"), else the rule (which
-    the word-tile kernels share: matvec_int8 loads the same tiles)."""
-    found = (tuning or load_tuning()).measured(op, w.type_name, w.n, w.k, m)
-    if found is not None:
-        return found
+    """Launch parameters from the tuning file's `op` entry (keyed like "matvec"), over the rule (which
+    the word-tile kernels share: matvec_int8 loads the same tiles) for the parameters it leaves out."""
+    found = (tuning or load_tuning()).measured(op, w.type_name, w.n, w.k, m) or {}
     if w.data.device.type == "cuda":
         props = torch.cuda.get_device_properties(w.data.device)
-        return rule(w.type_id, w.n, w.k, m, props.multi_processor_count, getattr(props, "warp_size", 32))
-    return rule(w.type_id, w.n, w.k, m, 132)
+        base = rule(w.type_id, w.n, w.k, m, props.multi_processor_count, getattr(props, "warp_size", 32))
+    else:
+        base = rule(w.type_id, w.n, w.k, m, 132)
+    return {**base, **found}
 
 
 @dataclass(frozen=True)

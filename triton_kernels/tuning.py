@@ -6,8 +6,9 @@ File format:
     {"target": "cuda_sm90", "matvec": {"Q4_K": {"large": {"1": {...}, "8": {...}}}, ...},
      "matvec_flat": {...keyed like "matvec"...}, "matvec_int8": {...}, "matvec_kernel": {"Q4_K": "int8"},
      "prefill": {"dense_from_m": 9}}
-Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`. Row counts 1..8 map to the nearest
-measured count at or above them.
+Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`; an exact shape key ("4096x14336", N x K)
+measured on a model's own matrices comes before its class. Row counts 1..8 map to the nearest measured
+count at or above them.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class Tuning:
 
     def measured(self, op: str, type_name: str, n: int, k: int, m: int) -> dict[str, int] | None:
         """The file's launch parameters for `op` at the nearest measured row count at or above m (else the
-        largest measured), or None where the file has none for this type and shape class."""
-        by_m = self.table.get(op, {}).get(type_name, {}).get(shape_class(n, k), {})
+        largest measured) for the exact shape, else its shape class; None where the file has neither."""
+        by_type = self.table.get(op, {}).get(type_name, {})
+        by_m = by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k), {})
         measured = sorted(int(x) for x in by_m)
         if not measured:
             return None
