@@ -9,16 +9,22 @@ thread's 16 bytes in registers and sizes split-K from the bytes in flight. Predi
 copy bandwidth for Q8_0, Q4_0, Q4_K and Q6_K (production: 18-39%), M=8 <= 2x M=1.
 
     python benchmarks/matvec_variants.py [--types Q4_K,Q6_K,Q8_0,Q4_0] [--shapes 28672x4096,...] [--ms 1,8]
-        [--json out.json]
+        [--kernels flat,int8] [--timer graph|events] [--json out.json] [--write-tuning FILE]
 
 Each flat config is checked against x @ dequant(W)^T (f32) before it is timed; a config whose relative
-error exceeds 1e-4 is reported and skipped. Times are medians of triton.testing.do_bench.
+error exceeds 1e-4 is reported and skipped. Times are medians: with `--timer graph` (the default) of
+graph replays of calls on rotating weight copies (bench_kernels.bench_graph, what a decode graph sees),
+with `--timer events` of triton.testing.do_bench (one call per event pair: launch latency included,
+docs/PERF.md compares the two). The ceilings beside them: the copy
+bandwidth and torch's sum over as many bytes as the weight, timed the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 
 import torch
 
@@ -31,7 +37,7 @@ from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.tuning import load_tuning
 
-from bench_kernels import bench, copy_bandwidth  # noqa: E402 - run from benchmarks/ or with it on sys.path
+from bench_kernels import bench as bench_events, bench_graph, copies_for, copy_bandwidth, read_bandwidth  # noqa: E402 - run from benchmarks/ or with it on sys.path
 
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 
@@ -41,6 +47,11 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
     ap.add_argument("--shapes", default="28672x4096,14336x4096,4096x14336")
     ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--kernels", default="flat,int8", help="candidates to time beside production: flat, int8")
+    ap.add_argument("--timer", choices=("graph", "events"), default="graph",
+                    help="graph: calls on rotating weight copies replayed in one CUDA graph, as in the decode "
+                         "graph (bench_kernels.bench_graph); events: do_bench, one call per event pair after an "
+                         "L2 flush (launch latency included)")
     ap.add_argument("--json", default=None, help="write the rows here as a JSON list")
     ap.add_argument("--write-tuning", default=None,
                     help="write the shipped tuning file with \"matvec_kernel\" set to int8 (or else flat) for every "
@@ -52,8 +63,9 @@ def main() -> None:
     tuning = load_tuning()
     print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs, tuning target {tuning.target}")
     print("| type | shape | M | production | flat rule | flat best | best config | best / production | "
-          "int8 best (+ q8_1) | int8 config | int8 / production |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "int8 best (+ q8_1) | int8 config | int8 / production | int8 best us by prefetch 0 / 1 (/ 2) | "
+          "torch sum of as many bytes, % copy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.types.split(","):
         tid = TYPE_IDS[name]
@@ -63,6 +75,14 @@ def main() -> None:
             w = repack(raw, tid, n, k)
             dense = dequantize(unpack_to_canonical(w).reshape(-1), tid, (n, k))
             nbytes = raw.numel()
+            rotation = [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(copies_for(nbytes) - 1)]
+            t_read = read_bandwidth(nbytes) if args.timer == "graph" else None
+
+            def bench(fn, ws=rotation):  # noqa: F811 - fn(weight) -> result; median ms per call
+                if args.timer == "graph":
+                    return bench_graph([lambda wi=wi: fn(wi) for wi in ws])
+                return bench_events(lambda: fn(w))
+
             for m in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda")
                 ref = x @ dense.T
@@ -72,52 +92,63 @@ def main() -> None:
 
                 prod_cfg = tuning.matvec(name, n, k, m)
                 e_prod = err(matvec(x, w, **prod_cfg))
-                t_prod = bench(lambda: matvec(x, w, **prod_cfg))
+                t_prod = bench(lambda wi: matvec(x, wi, **prod_cfg))
                 base = rule(tid, n, k, m, sms)
                 timed = []
-                for cfg in candidates(tid, n, k, m, sms):
+                for cfg in candidates(tid, n, k, m, sms) if "flat" in args.kernels else []:
                     e = err(matvec_flat(x, w, **cfg))
                     if e > 1e-4:
                         print(f"  flat {name} {shape} M={m} {cfg}: relative error {e:.2e}, skipped")
                         continue
-                    timed.append((bench(lambda c=cfg: matvec_flat(x, w, **c)), cfg, e))
+                    timed.append((bench(lambda wi, c=cfg: matvec_flat(x, wi, **c)), cfg, e))
                 t_rule = next((t for t, c, _ in timed if c == base), float("nan"))
-                t_best, cfg_best, e_best = min(timed, key=lambda r: r[0])
-                for stages in (2, 3):  # software pipelining of the best tile shape
-                    c = {**cfg_best, "num_stages": stages}
-                    if err(matvec_flat(x, w, **c)) <= 1e-4:
-                        t = bench(lambda c=c: matvec_flat(x, w, **c))
-                        if t < t_best:
-                            t_best, cfg_best = t, c
+                t_best, cfg_best, e_best = min(timed, key=lambda r: r[0]) if timed else (float("nan"), None, None)
 
                 def pct(t: float) -> str:
                     return f"{t * 1e3:.1f} us ({nbytes / (t * 1e-3) / bw:.1%})"
 
-                int8_cols, t_int8, cfg_int8, t_q = "| - | - | - |", None, None, None
-                if tid in INT8_TYPES:
+                int8_cols, t_int8, cfg_int8, t_q, by_prefetch = "| - | - | - |", None, None, None, {}
+                if tid in INT8_TYPES and "int8" in args.kernels:
                     q8 = quantize_q8_1(x)
-                    t_q = bench(lambda: quantize_q8_1(x))
+                    t_q = bench(lambda wi: quantize_q8_1(x))
                     xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
                     ref_q = xd @ dense.T
-                    for cfg in candidates(tid, n, k, m, sms) + [{**cfg_best, "num_stages": 2}]:
-                        y = matvec_int8(x, w, **cfg, q8_1=q8)
-                        e = float((y - ref_q).norm() / ref_q.norm())
+
+                    def time_int8(cfg: dict) -> float | None:
+                        e = float((matvec_int8(x, w, **cfg, q8_1=q8) - ref_q).norm() / ref_q.norm())
                         if e > 1e-4:
                             print(f"  int8 {name} {shape} M={m} {cfg}: relative error {e:.2e}, skipped")
-                            continue
-                        t = bench(lambda c=cfg: matvec_int8(x, w, **c, q8_1=q8))
-                        if t_int8 is None or t < t_int8:
-                            t_int8, cfg_int8 = t, cfg
-                    if t_int8 is not None:
-                        int8_cols = (f"| {pct(t_int8)} (+ {t_q * 1e3:.1f} us) | {cfg_int8} | "
-                                     f"{t_prod / (t_int8 + t_q):.2f}x |")
+                            return None
+                        return bench(lambda wi: matvec_int8(x, wi, **cfg, q8_1=q8))
+
+                    # prefetch 0 (loads after the dots: the previous kernel's order) is the baseline;
+                    # 2 (activations loaded with the tile) differs from 1 for Q4_K at M = 1 only
+                    prefetches = (0, 1, 2) if name == "Q4_K" and m == 1 else (0, 1)
+                    for pf in prefetches:
+                        for cfg in candidates(tid, n, k, m, sms):
+                            t = time_int8({**cfg, "prefetch": pf})
+                            if t is not None and (pf not in by_prefetch or t < by_prefetch[pf][0]):
+                                by_prefetch[pf] = (t, {**cfg, "prefetch": pf})
+                    t_int8, cfg_int8 = min(by_prefetch.values(), key=lambda r: r[0])
+                    for more in (2, 4):  # more K splits of the best: more programs in flight
+                        c = {**cfg_int8, "split_k": cfg_int8["split_k"] * more}
+                        t = time_int8(c)
+                        if t is not None and t < t_int8:
+                            t_int8, cfg_int8 = t, c
+                    if t_read is None:
+                        t_read = nbytes / (bench_events(lambda: w.data.view(torch.float32).sum()) * 1e-3)
+                    int8_cols = (f"| {pct(t_int8)} (+ {t_q * 1e3:.1f} us) | {cfg_int8} | "
+                                 f"{t_prod / (t_int8 + t_q):.2f}x | "
+                                 + " / ".join(f"{by_prefetch[pf][0] * 1e3:.1f}" for pf in prefetches)
+                                 + f" | {t_read / bw:.1%} |")
                 print(f"| {name} | {shape} | {m} | {pct(t_prod)} | {pct(t_rule)} | {pct(t_best)} | "
                       f"{cfg_best} | {t_prod / t_best:.2f}x {int8_cols}", flush=True)
+                by_prefetch = {pf: {"ms": t, "cfg": c} for pf, (t, c) in by_prefetch.items()}
                 rows.append({"type": name, "n": n, "k": k, "m": m, "bytes": nbytes, "copy_bw": bw,
                              "production_ms": t_prod, "production_cfg": prod_cfg, "production_err": e_prod,
                              "flat_rule_ms": t_rule, "flat_rule_cfg": base, "flat_best_ms": t_best,
                              "flat_best_cfg": cfg_best, "flat_best_err": e_best, "int8_best_ms": t_int8,
-                             "int8_best_cfg": cfg_int8, "q8_1_ms": t_q})
+                             "int8_best_cfg": cfg_int8, "q8_1_ms": t_q, "int8_by_prefetch": by_prefetch})
     for name in args.types.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -132,7 +163,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.write_tuning:
-        table = dict(tuning.table) or {"target": tuning.target}
+        out = Path(args.write_tuning)  # a file an earlier run wrote is extended, else the shipped one copied
+        table = json.loads(out.read_text()) if out.exists() else (dict(tuning.table) or {"target": tuning.target})
         kernel = dict(table.get("matvec_kernel", {}))
         for name in args.types.split(","):
             mine = [r for r in rows if r["type"] == name]
@@ -141,9 +173,14 @@ def main() -> None:
             elif mine and all(r["flat_rule_ms"] < r["production_ms"] for r in mine):
                 kernel[name] = "flat"
         table["matvec_kernel"] = kernel
+        int8 = table.setdefault("matvec_int8", {})
+        for r in rows:  # the fastest checked int8 config per exact shape and row count
+            if r["int8_best_cfg"] is not None:
+                int8.setdefault(r["type"], {}).setdefault(f"{r['n']}x{r['k']}", {})[str(r["m"])] = r["int8_best_cfg"]
         with open(args.write_tuning, "w") as f:
             json.dump(table, f, indent=2)
-        print(f"wrote {args.write_tuning}: matvec_kernel {kernel}")
+        print(f"wrote {args.write_tuning}: matvec_kernel {kernel}, matvec_int8 entries for "
+              f"{sorted((t, sh) for t, by in int8.items() for sh in by)}")
 
 
 if __name__ == "__main__":
