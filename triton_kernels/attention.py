@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, the entry points: store a step's new k/v at their slots, then attend.
 
     write_kv   k/v [T, KV, D] of the new tokens into k_cache / v_cache [num_slots, KV, D] at slots [T]
-               (index_copy_, cast to the cache dtype): the kernels then read every key from the cache.
+               (one launch for both, cast to the cache dtype): the kernels then read every key from the cache.
     attend     decode_attention (attention_decode.py, flash-decoding) when every sequence brings one
                token, prefill_attention (attention_prefill.py, causal, variable lengths) otherwise; a mixed
                batch takes the prefill kernel, which handles one-token sequences too.
@@ -16,19 +16,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill
 
 
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """x in the cache's type, rounded to nearest even as torch's .to() (a narrowing cast in Triton
+    truncates unless told; same type: unchanged)."""
+    if x.dtype == cache_ptr.dtype.element_ty:
+        return x
+    elif cache_ptr.dtype.element_ty == tl.float32:
+        return x.to(tl.float32)
+    else:
+        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcs, stride_kch, stride_vcs, stride_vch, KV, D,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token program_id(0): its k and v rows [KV, D] to their cache slot, in the caches' type."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    live = (h < KV) & (d < D)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=live)
+    tl.store(kc_ptr + s * stride_kcs + h * stride_kch + d, _to_cache(k, kc_ptr), mask=live)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=live)
+    tl.store(vc_ptr + s * stride_vcs + h * stride_vch + d, _to_cache(v, vc_ptr), mask=live)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """Store k/v [T, KV, D] at cache slots [T] (int64)."""
+    """Store k/v [T, KV, D] (any strides over T and KV, unit stride over D) at cache slots [T] (int64), in
+    one launch for both, converted to the caches' type. Torch reference: index_copy_ of k.to(cache type)."""
     if slots.shape != (k.shape[0],) or k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
         raise ValueError(f"write_kv: {tuple(slots.shape)} slots for k {tuple(k.shape)}, v {tuple(v.shape)} "
                          f"into a cache of {tuple(k_cache.shape)}")
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    T, KV, D = k.shape
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("write_kv takes unit stride over the head dimension")
+    if T:
+        _write_kv_kernel[(T,)](
+            k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), KV, D,
+            BLOCK_H=triton.next_power_of_2(KV), BLOCK_D=triton.next_power_of_2(D),
+        )
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,11 +1,12 @@
-"""The small per-layer operations of a decoder as one launch each: RMSNorm, rotary embedding, SiLU-mul.
+"""The small per-layer operations of a decoder as one launch each: RMSNorm (alone or after the residual
+add), rotary embedding, SiLU-mul.
 
 In torch each is a chain of 3-12 elementwise, reduce and index kernels of 1-3 us; on an 8B decode step
 they were ~600 launches and a third of the kernel time (docs/PERF.md, 2026-12-03). Each kernel here reads
 its inputs once and writes its output once, in f32 arithmetic.
 
-Torch references (the CPU path, and what these are tested against): engine/layers/norm.py RMSNorm,
-engine/layers/rotary.py RotaryEmbedding, and F.silu(gate) * up.
+Torch references (the CPU path, and what these are tested against): engine/layers/norm.py RMSNorm
+(and h + delta before it), engine/layers/rotary.py RotaryEmbedding, and F.silu(gate) * up.
 """
 
 from __future__ import annotations
@@ -16,25 +17,53 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, stride_x, stride_d, stride_y, N, eps,
+                     BLOCK: tl.constexpr, ADD: tl.constexpr):
+    """y = norm(x) * w; with ADD, h = x + delta is written first and normed (the residual stream)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    if ADD:
+        x = x + tl.load(d_ptr + row * stride_d + cols, mask=live, other=0.0)
+        tl.store(h_ptr + row * N + cols, x, mask=live)
+    x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=live)
 
 
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name} takes [T, N] rows with unit stride; got {tuple(x.shape)} {x.stride()}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, N] with unit stride along N (rows may be strided) -> x / sqrt(mean(x^2) + eps) * w, x's type."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"rms_norm takes [T, N] rows with unit stride; got {tuple(x.shape)} {x.stride()}")
+    _check_rows("rms_norm", x)
     T, N = x.shape
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
-        _rms_norm_kernel[(T,)](x, weight, y, x.stride(0), y.stride(0), N, eps, BLOCK=triton.next_power_of_2(N))
+        _rms_norm_kernel[(T,)](x, x, x, weight, y, x.stride(0), 0, y.stride(0), N, eps,
+                               BLOCK=triton.next_power_of_2(N), ADD=False)
     return y
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + delta and rms_norm(h), in one launch: (h [T, N] contiguous, norm [T, N]), both in x's type,
+    which delta must share (so that h is exactly torch's x + delta)."""
+    _check_rows("add_rms_norm", x)
+    _check_rows("add_rms_norm", delta)
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and delta {tuple(delta.shape)} "
+                         f"{delta.dtype} differ")
+    T, N = x.shape
+    h = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        _rms_norm_kernel[(T,)](x, delta, h, weight, y, x.stride(0), delta.stride(0), y.stride(0), N, eps,
+                               BLOCK=triton.next_power_of_2(N), ADD=True)
+    return h, y
 
 
 @triton.jit

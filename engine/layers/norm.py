@@ -24,6 +24,15 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight).to(x.dtype)
 
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, this norm of it): the residual add and the next norm, one launch on a GPU."""
+        if h.is_cuda and h.dtype == delta.dtype and h.dim() == 2 and h.shape == delta.shape:
+            from vegaserve.triton_kernels.fused import add_rms_norm
+
+            return add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up output [T, 2F] (gate rows first): one launch on a GPU."""

@@ -94,16 +94,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         T = h.shape[0]
-        q, k, v = self.qkv(self.attn_norm(h)).split(self.split, dim=-1)
-        q = q.view(T, self.n_heads, self.head_dim)
-        k = k.view(T, self.n_kv, self.head_dim)
+        qkv = self.qkv(self.attn_norm(h))
+        q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
+            qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
+            qk = rope(qk, batch.positions)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        else:
+            q = self.q_norm(q.view(T, self.n_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
+            q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
-        h = h + self.comm.all_reduce(self.o_proj(a.reshape(T, -1)))
-        return h + self.comm.all_reduce(self.down(silu_mul(self.gate_up(self.ffn_norm(h)))))
+        h, x = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))))
+        return h + self.comm.all_reduce(self.down(silu_mul(self.gate_up(x))))
 
 
 class LlamaModel(nn.Module):

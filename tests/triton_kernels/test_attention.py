@@ -157,6 +157,28 @@ def test_write_kv_stores_each_token_at_its_slot_in_the_cache_dtype():
     assert kc[[0, 1, 3, 4, 5, 6, 8]].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        DEVICE == "cpu", reason="the Triton interpreter truncates f32 -> bf16 whatever the rounding asked")),
+])
+def test_write_kv_takes_k_and_v_as_views_of_the_qkv_output_at_odd_sizes(dtype):
+    gen = torch.Generator().manual_seed(3)
+    T, H, KV, D = 4, 6, 3, 24  # neither KV nor D a power of two
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=gen).to(DEVICE)
+    _, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    k, v = k.view(T, KV, D), v.view(T, KV, D)
+    kc = torch.full((12, KV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    slots = torch.tensor([11, 0, 5, 6], device=DEVICE)
+    write_kv(kc, vc, slots, k, v)
+    ref_k = torch.full_like(kc, float("nan")).index_copy_(0, slots, k.to(dtype))  # torch rounds to nearest even
+    ref_v = torch.full_like(vc, float("nan")).index_copy_(0, slots, v.to(dtype))
+    assert torch.equal(kc[slots], ref_k[slots]) and torch.equal(vc[slots], ref_v[slots])
+    untouched = [i for i in range(12) if i not in (11, 0, 5, 6)]
+    assert kc[untouched].isnan().all() and vc[untouched].isnan().all()
+
+
 def test_attend_takes_decode_for_one_token_batches_and_prefill_otherwise():
     lens, news = [9, 20], [1, 4]
     k, v, tables, gen = paged_cache(lens, 64, torch.float32, seed=7)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from vegaserve.engine.layers.norm import RMSNorm
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import RopeScaling
-from vegaserve.triton_kernels.fused import rms_norm, rope, silu_mul
+from vegaserve.triton_kernels.fused import add_rms_norm, rms_norm, rope, silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,6 +34,34 @@ def test_rms_norm_equals_the_torch_norm_on_strided_rows(n):
     y = rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5)
     assert y.shape == (7, n)
     assert rel(y, norm(x)) < 1e-6
+
+
+@pytest.mark.parametrize("n", [96, 1000])
+def test_add_rms_norm_equals_the_residual_add_then_the_torch_norm(n):
+    gen = torch.Generator().manual_seed(n + 1)
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data = torch.randn(n, generator=gen)
+    h = torch.randn(5, n, generator=gen) * 2
+    wide = torch.randn(5, n + 8, generator=gen)
+    delta = wide[:, 4 : 4 + n]  # a strided delta, as a slice of a wider output
+    h_out, y = add_rms_norm(h.to(DEVICE), delta.to(DEVICE), norm.weight.to(DEVICE), 1e-6)
+    assert torch.equal(h_out.cpu(), h + delta)  # the add itself is exact: same type, same rounding
+    assert rel(y, norm(h + delta)) < 1e-6
+    h2, y2 = norm.add_forward(h, delta)  # the CPU path of the same call
+    assert torch.equal(h2, h + delta) and torch.equal(y2, norm(h + delta))
+
+
+def test_rope_of_q_and_k_in_one_call_equals_two_calls():
+    gen = torch.Generator().manual_seed(9)
+    T, H, KV, D = 3, 4, 2, 64
+    rot = RotaryEmbedding(D, D, 10000.0, 32, RopeScaling(), False)
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=gen)
+    positions = torch.tensor([1, 8, 30])
+    qk = rope(qkv[:, : (H + KV) * D].view(T, H + KV, D).to(DEVICE), positions.to(DEVICE), rot.cos.to(DEVICE),
+              rot.sin.to(DEVICE), D, False)
+    q, k, _ = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    assert rel(qk[:, :H], rot(q.reshape(T, H, D), positions)) < 1e-6
+    assert rel(qk[:, H:], rot(k.reshape(T, KV, D), positions)) < 1e-6
 
 
 @pytest.mark.parametrize("neox", [False, True], ids=["norm", "neox"])
@@ -66,6 +94,8 @@ def test_silu_mul_equals_torch_over_several_column_blocks():
 def test_shapes_the_kernels_cannot_take_are_refused():
     with pytest.raises(ValueError, match="unit stride"):
         rms_norm(torch.zeros(4, 8).t(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="differ"):
+        add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float16), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="rope_dim"):
         rope(torch.zeros(2, 1, 8), torch.zeros(2, dtype=torch.long), torch.zeros(4, 2), torch.zeros(4, 2), 3, False)
     with pytest.raises(ValueError, match="2F"):
