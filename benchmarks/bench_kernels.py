@@ -20,6 +20,7 @@ from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import dense_gemm, gemm, matvec
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+from vegaserve.triton_kernels.timing import bench_graph, copies_for
 
 LLAMA3_8B = ["4096x4096", "6144x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096"]
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
@@ -28,38 +29,6 @@ TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 def bench(fn, ms: int = 200) -> float:
     """Median milliseconds."""
     return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median"))
-
-
-L2_ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 50 MB L2 (and gfx906's 4 MB): every copy comes from DRAM
-
-
-def copies_for(nbytes: int) -> int:
-    """How many copies of an input of nbytes to rotate through so that none is in L2 when it is read."""
-    return max(4, -(-L2_ROTATION_BYTES // max(nbytes, 1)))
-
-
-def bench_graph(calls, replays: int = 25) -> float:
-    """Median milliseconds per call of `calls` (callables, each on its own copy of the inputs) captured
-    back to back in one CUDA/HIP graph, as the engine's decode graph runs them: no launch gaps, no cache
-    flush between calls, and no call finds its weights in L2 when there are copies_for(bytes) of them."""
-    for c in calls:  # compile and warm up outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return float(torch.tensor(times).median())
 
 
 def read_bandwidth(nbytes: int) -> float:

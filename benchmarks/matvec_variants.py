@@ -13,7 +13,7 @@ copy bandwidth for Q8_0, Q4_0, Q4_K and Q6_K (production: 18-39%), M=8 <= 2x M=1
 
 Each flat config is checked against x @ dequant(W)^T (f32) before it is timed; a config whose relative
 error exceeds 1e-4 is reported and skipped. Times are medians: with `--timer graph` (the default) of
-graph replays of calls on rotating weight copies (bench_kernels.bench_graph, what a decode graph sees),
+graph replays of calls on rotating weight copies (triton_kernels/timing.py, what a decode graph sees),
 with `--timer events` of triton.testing.do_bench (one call per event pair: launch latency included,
 docs/PERF.md compares the two). The ceilings beside them: the copy
 bandwidth and torch's sum over as many bytes as the weight, timed the same way.
@@ -35,9 +35,11 @@ from vegaserve.triton_kernels.matvec_flat import candidates, matvec_flat, rule
 from vegaserve.triton_kernels.matvec_int8 import SUPPORTED as INT8_TYPES
 from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+from vegaserve.triton_kernels.timing import bench_graph, copies_for
 from vegaserve.triton_kernels.tuning import load_tuning
 
-from bench_kernels import bench as bench_events, bench_graph, copies_for, copy_bandwidth, read_bandwidth  # noqa: E402 - run from benchmarks/ or with it on sys.path
+from bench_kernels import bench as bench_events  # noqa: E402 - run from benchmarks/ or with it on sys.path
+from bench_kernels import copy_bandwidth, read_bandwidth  # noqa: E402
 
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 
@@ -50,7 +52,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="flat,int8", help="candidates to time beside production: flat, int8")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: calls on rotating weight copies replayed in one CUDA graph, as in the decode "
-                         "graph (bench_kernels.bench_graph); events: do_bench, one call per event pair after an "
+                         "graph (triton_kernels/timing.py); events: do_bench, one call per event pair after an "
                          "L2 flush (launch latency included)")
     ap.add_argument("--json", default=None, help="write the rows here as a JSON list")
     ap.add_argument("--write-tuning", default=None,
