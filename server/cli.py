@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", "--n-gen", type=_counts, default=[128], help="tokens to generate, e.g. 128 (0: none)")
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test, after a warm-up")
 
-    tune = sub.add_parser("tune", help="measure kernel launch parameters on this GPU; writes configs/kernels/<target>.json")
+    tune = sub.add_parser("tune", help="measure the decode kernels and their launch parameters on this GPU; "
+                                       "writes configs/kernels/<target>.json")
     tune.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,MXFP4")
     tune.add_argument("--classes", default="small,medium,large", help="shape classes to measure")
     tune.add_argument("--rows", default="1,2,4,8", help="activation row counts (mat-vec)")
