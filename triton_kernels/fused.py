@@ -49,7 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + delta and rms_norm(h), in one launch: (h [T, N] contiguous, norm [T, N]), both in x's type,
     which delta must share (so that h is exactly torch's x + delta)."""
     _check_rows("add_rms_norm", x)
