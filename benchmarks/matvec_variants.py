@@ -65,9 +65,9 @@ def main() -> None:
     tuning = load_tuning()
     print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs, tuning target {tuning.target}")
     print("| type | shape | M | production | flat rule | flat best | best config | best / production | "
-          "int8 best (+ q8_1) | int8 config | int8 / production | int8 best us by prefetch 0 / 1 (/ 2) | "
+          "int8 best (+ q8_1) | int8 config | int8 / production | "
           "torch sum of as many bytes, % copy bw |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.types.split(","):
         tid = TYPE_IDS[name]
@@ -109,7 +109,7 @@ def main() -> None:
                 def pct(t: float) -> str:
                     return f"{t * 1e3:.1f} us ({nbytes / (t * 1e-3) / bw:.1%})"
 
-                int8_cols, t_int8, cfg_int8, t_q, by_prefetch = "| - | - | - |", None, None, None, {}
+                int8_cols, t_int8, cfg_int8, t_q = "| - | - | - | - |", None, None, None
                 if tid in INT8_TYPES and "int8" in args.kernels:
                     q8 = quantize_q8_1(x)
                     t_q = bench(lambda wi: quantize_q8_1(x))
@@ -123,34 +123,27 @@ def main() -> None:
                             return None
                         return bench(lambda wi: matvec_int8(x, wi, **cfg, q8_1=q8))
 
-                    # prefetch 0 (loads after the dots: the previous kernel's order) is the baseline;
-                    # 2 (activations loaded with the tile) differs from 1 for Q4_K at M = 1 only
-                    prefetches = (0, 1, 2) if name == "Q4_K" and m == 1 else (0, 1)
-                    for pf in prefetches:
-                        for cfg in candidates(tid, n, k, m, sms):
-                            t = time_int8({**cfg, "prefetch": pf})
-                            if t is not None and (pf not in by_prefetch or t < by_prefetch[pf][0]):
-                                by_prefetch[pf] = (t, {**cfg, "prefetch": pf})
-                    t_int8, cfg_int8 = min(by_prefetch.values(), key=lambda r: r[0])
-                    for more in (2, 4):  # more K splits of the best: more programs in flight
+                    for cfg in candidates(tid, n, k, m, sms):
+                        t = time_int8(cfg)
+                        if t is not None and (t_int8 is None or t < t_int8):
+                            t_int8, cfg_int8 = t, cfg
+                    for more in (2, 4) if cfg_int8 else ():  # more K splits of the best: more programs in flight
                         c = {**cfg_int8, "split_k": cfg_int8["split_k"] * more}
                         t = time_int8(c)
                         if t is not None and t < t_int8:
                             t_int8, cfg_int8 = t, c
                     if t_read is None:
                         t_read = nbytes / (bench_events(lambda: w.data.view(torch.float32).sum()) * 1e-3)
-                    int8_cols = (f"| {pct(t_int8)} (+ {t_q * 1e3:.1f} us) | {cfg_int8} | "
-                                 f"{t_prod / (t_int8 + t_q):.2f}x | "
-                                 + " / ".join(f"{by_prefetch[pf][0] * 1e3:.1f}" for pf in prefetches)
-                                 + f" | {t_read / bw:.1%} |")
+                    if t_int8 is not None:
+                        int8_cols = (f"| {pct(t_int8)} (+ {t_q * 1e3:.1f} us) | {cfg_int8} | "
+                                     f"{t_prod / (t_int8 + t_q):.2f}x | {t_read / bw:.1%} |")
                 print(f"| {name} | {shape} | {m} | {pct(t_prod)} | {pct(t_rule)} | {pct(t_best)} | "
                       f"{cfg_best} | {t_prod / t_best:.2f}x {int8_cols}", flush=True)
-                by_prefetch = {pf: {"ms": t, "cfg": c} for pf, (t, c) in by_prefetch.items()}
                 rows.append({"type": name, "n": n, "k": k, "m": m, "bytes": nbytes, "copy_bw": bw,
                              "production_ms": t_prod, "production_cfg": prod_cfg, "production_err": e_prod,
                              "flat_rule_ms": t_rule, "flat_rule_cfg": base, "flat_best_ms": t_best,
                              "flat_best_cfg": cfg_best, "flat_best_err": e_best, "int8_best_ms": t_int8,
-                             "int8_best_cfg": cfg_int8, "q8_1_ms": t_q, "int8_by_prefetch": by_prefetch})
+                             "int8_best_cfg": cfg_int8, "q8_1_ms": t_q})
     for name in args.types.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))

@@ -108,8 +108,8 @@ def _x_words(xrow, xw, OFF: tl.constexpr):
 
 @triton.jit
 def _advance(more, step):
-    """The step a tile pointer takes to the next tile, 0 on the last one: the prefetch after it reloads
-    the last tile (a cache hit) instead of reading past the split's end."""
+    """The step a tile pointer takes to the next tile, 0 on the last one: the load after the last tile's
+    dot products reloads it (a cache hit) instead of reading past the split's end."""
     return tl.where(more, step, 0)
 
 
@@ -141,35 +141,6 @@ def _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _q8_0_kernel(
-    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,  # q8_1 activations (int32 words, scales, sums), partials, weights
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
-    N, K, blocks_per_split,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 8)
-    xb = first + tl.arange(0, NB)
-    xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
-    acc = zero_rows(M, BLOCK_N, NB)
-    tile = _legacy_tile(qs, dp, 2)
-    for it in range(0, n_iter):
-        more = it + 1 < n_iter
-        qs += _advance(more, NB * 8)
-        dp += _advance(more, NB * b0)
-        if PREFETCH:
-            nxt = _legacy_tile(qs, dp, 2)
-            acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-            tile = nxt
-        else:
-            acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-            tile = _legacy_tile(qs, dp, 2)
-        xw += NB * 8
-        xb += NB
-    store_rows(part_ptr, acc, M, N, rows)
-
-
-@triton.jit
 def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
                NB: tl.constexpr, DOT: tl.constexpr):
     d, q, _ = tile
@@ -195,29 +166,28 @@ def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BL
 
 
 @triton.jit
-def _q4_0_kernel(
-    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+def _legacy_kernel(
+    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,  # q8_1 activations (int32 words, scales, sums), partials, weights
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, WORDS: tl.constexpr,
 ):
+    """Q8_0 (WORDS 8) and Q4_0 (WORDS 4): blocks of 32 with one f16 scale and WORDS quant words."""
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 4)
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS)
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
-    tile = _legacy_tile(qs, dp, 1)
+    tile = _legacy_tile(qs, dp, WORDS // 4)
     for it in range(0, n_iter):
         more = it + 1 < n_iter
-        qs += _advance(more, NB * 4)
+        qs += _advance(more, NB * WORDS)
         dp += _advance(more, NB * b0)
-        if PREFETCH:
-            nxt = _legacy_tile(qs, dp, 1)
-            acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-            tile = nxt
+        if WORDS == 8:
+            acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
         else:
             acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-            tile = _legacy_tile(qs, dp, 1)
+        tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
     store_rows(part_ptr, acc, M, N, rows)
@@ -298,7 +268,7 @@ def _q4_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
@@ -321,28 +291,14 @@ def _q4_k_kernel(
     acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     for it in range(0, n_iter):
         more = it + 1 < n_iter
-        xw0 = xw  # this tile's activation offsets (read in the dots where M > 1)
-        xb0 = xb
+        acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qs += _advance(more, NB * 32)
         dm += _advance(more, NB * b0)
         sp += _advance(more, NB * b1)
         xw += _advance(more, NB * 64)
         xb += _advance(more, NB * 8)
-        if PREFETCH == 2:  # the weights and the activations of the next tile before these dots
-            nxt = _q4_k_tile(qs, dm, sp)
-            nxt_acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
-            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
-            tile = nxt
-            acts = nxt_acts
-        elif PREFETCH == 1:  # the weights
-            nxt = _q4_k_tile(qs, dm, sp)
-            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
-            tile = nxt
-            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
-        else:
-            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw0, xb0, K, M, BLOCK_N, G, DOT)
-            tile = _q4_k_tile(qs, dm, sp)
-            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+        tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
+        acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     store_rows(part_ptr, acc, M, N, rows)
 
 
@@ -400,7 +356,7 @@ def _q6_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
     # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
@@ -422,24 +378,20 @@ def _q6_k_kernel(
     tile = _q6_k_tile(qh_p, ql_p, sp, dp)
     for it in range(0, n_iter):
         more = it + 1 < n_iter
+        acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qh_p += _advance(more, NB * 16)
         ql_p += _advance(more, NB * 32)
         sp += _advance(more, NB * b2)
         dp += _advance(more, NB * b3)
-        if PREFETCH:
-            nxt = _q6_k_tile(qh_p, ql_p, sp, dp)
-            acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-            tile = nxt
-        else:
-            acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-            tile = _q6_k_tile(qh_p, ql_p, sp, dp)
+        tile = _q6_k_tile(qh_p, ql_p, sp, dp)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 64
         xb += NB * 8
     store_rows(part_ptr, acc, M, N, rows)
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
-_KERNELS = {Q8_0: _q8_0_kernel, Q4_0: _q4_0_kernel, Q4_K: _q4_k_kernel, Q6_K: _q6_k_kernel}
+_KERNELS = {Q8_0: (_legacy_kernel, {"WORDS": 8}), Q4_0: (_legacy_kernel, {"WORDS": 4}),
+            Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
 
 
@@ -451,21 +403,20 @@ def dot_kind(device: torch.device) -> int:
 
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
-                split_k: int | None = None, num_warps: int | None = None, prefetch: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
-    several matmuls of one activation share. `prefetch` 1 loads tile i + 1 before the dot products of
-    tile i (registers double-buffered), 0 after them. Unset launch parameters: the tuning file's
-    "matvec_int8" entry, else matvec_flat's rule (prefetch 1)."""
+    several matmuls of one activation share. Unset launch parameters: the tuning file's "matvec_int8"
+    entry, else matvec_flat's rule."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED,
                        {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     part = torch.empty(plan.split, M, w.n, dtype=torch.float32, device=x.device)
-    _KERNELS[w.type_id][plan.grid(w.n)](
+    kernel, type_args = _KERNELS[w.type_id]
+    kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, plan.per_split,
-        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, DOT=dot_kind(x.device),
-        PREFETCH=int(prefetch if prefetch is not None else plan.params.get("prefetch", 1)),
+        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, DOT=dot_kind(x.device), **type_args,
         num_warps=plan.params["num_warps"], num_stages=1,
     )
     return part[0] if plan.split == 1 else part.sum(0)

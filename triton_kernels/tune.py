@@ -2,7 +2,7 @@
 
 For each weight type, shape class (one representative shape each) and row count: the tile kernel's
 candidates (matmul.matvec), and for the types with an int8-dot kernel (matvec_int8.py) the word-tile
-rule's candidates with prefetch 0 and 1, its time counted with the q8_1 quantize launch it needs. Every
+rule's candidates, its time counted with the q8_1 quantize launch it needs. Every
 candidate's result is checked first (against the f32 product of the reference dequantizer, or for int8
 against the product on the dequantized q8_1 activation): one off by more than 1e-4 is discarded, since a
 miscompile must never win on speed. Times are graph replays over rotating weight copies (timing.py), as
@@ -100,8 +100,8 @@ def tune(types: list[str], classes: list[str], rows: list[int], out: Path | None
                     xq = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
                     ref_q = xq @ dense.T
                     t_q = bench_graph([lambda: matvec_int8.quantize_q8_1(x)] * len(rotation))
-                    cands = [{**c, "prefetch": p} for p in (0, 1) for c in matvec_flat.candidates(tid, n, k, m, sms)]
-                    calls = [(c, lambda wi, c=c: matvec_int8.matvec_int8(x, wi, **c, q8_1=q8)) for c in cands]
+                    calls = [(c, lambda wi, c=c: matvec_int8.matvec_int8(x, wi, **c, q8_1=q8))
+                             for c in matvec_flat.candidates(tid, n, k, m, sms)]
                     t8, cfg8 = _fastest(
                         label + " int8", calls,
                         lambda y: float((y - ref_q).norm() / ref_q.norm()), rotation, log)

@@ -40,8 +40,8 @@ def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element():
 
 
 @pytest.mark.parametrize("name", sorted(NAMES[t] for t in SUPPORTED))
-@pytest.mark.parametrize("split_k,prefetch", [(1, 0), (1, 1), (2, 1), (1, 2)])
-def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k, prefetch):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k):
     tid = IDS[name]
     qk = GGML_TYPES[tid].block_size
     k = 4 * max(qk, 64)
@@ -51,8 +51,7 @@ def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k
     for m in (1, 3, 8):
         x = torch.randn(m, k, generator=gen).to(DEVICE)
         q, d, s = quantize_q8_1(x)
-        y = matvec_int8(x, w, block_n=16, nb=2 if qk == 32 else 8, split_k=split_k, num_warps=1, prefetch=prefetch,
-                        q8_1=(q, d, s))
+        y = matvec_int8(x, w, block_n=16, nb=2 if qk == 32 else 8, split_k=split_k, num_warps=1, q8_1=(q, d, s))
         assert torch.isfinite(y).all()
         ref = reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)
         assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5

@@ -23,15 +23,15 @@ def test_an_exact_shape_comes_before_its_class_and_the_rule_fills_what_an_entry_
     from vegaserve.triton_kernels.matvec_flat import flat_params, rule
 
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"matvec_int8": {"Q4_K": {"medium": {"1": {"block_n": 16, "prefetch": 0}},
+    f.write_text(json.dumps({"matvec_int8": {"Q4_K": {"medium": {"1": {"block_n": 16, "num_warps": 8}},
                                                       "4096x14336": {"1": {"block_n": 64}}}}}))
     t = load_tuning("cuda_sm90", f)
     assert t.measured("matvec_int8", "Q4_K", 4096, 14336, 1) == {"block_n": 64}
-    assert t.measured("matvec_int8", "Q4_K", 5120, 4096, 1) == {"block_n": 16, "prefetch": 0}
+    assert t.measured("matvec_int8", "Q4_K", 5120, 4096, 1) == {"block_n": 16, "num_warps": 8}
     assert t.measured("matvec_int8", "Q6_K", 5120, 4096, 1) is None
     w = repack(torch.zeros(5120, 16 * 144, dtype=torch.uint8), 12, 5120, 4096)
     base = rule(12, 5120, 4096, 1, 132)
-    assert flat_params(w, 1, t, op="matvec_int8") == {**base, "block_n": 16, "prefetch": 0}
+    assert flat_params(w, 1, t, op="matvec_int8") == {**base, "block_n": 16, "num_warps": 8}
     assert flat_params(w, 1, t, op="matvec_flat") == base
 
 
@@ -59,7 +59,7 @@ def test_shipped_tuning_files_parse_and_use_known_keys():
                 for shape, by_m in by_shape.items():
                     assert shape in ("small", "medium", "large") or all(v.isdigit() for v in shape.split("x"))
                     for cfg in by_m.values():
-                        assert set(cfg) <= {"block_n", "nb", "split_k", "num_warps", "prefetch"}
+                        assert set(cfg) <= {"block_n", "nb", "split_k", "num_warps"}
                         assert cfg.get("block_n", 8) >= 8
         assert set(table.get("matvec_kernel", {}).values()) <= {"tiles", "flat", "int8"}
 
