@@ -115,6 +115,39 @@ def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WO
 
 
 @triton.jit
+def q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB: tl.constexpr):
+    """The Q4_K tile's groups (super-block sb, j = 0 or 1: chunks j and j + 2) from super-block `first`:
+    int32 pointers to chunk j's first half [BLOCK_N, G, 4] (+ 4 words its second half, + 16 and + 20 those
+    of chunk j + 2), byte pointers to d (f16; dmin at + 2) and to scale bytes 2j, 2j + 1 (+ 4, + 8)
+    [BLOCK_N, G], and sb, j [G]."""
+    g = tl.arange(0, 2 * NB)
+    sb = first + g // 2
+    j = g % 2
+    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
+    sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
+    return qs, dm, sp, sb, j
+
+
+@triton.jit
+def q6_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl.constexpr):
+    """The Q6_K tile's groups (super-block sb, half h, quarter l4 of the half's 32 qh bytes) from
+    super-block `first`: int32 pointers to the group's qh run and first ql run [BLOCK_N, G, 4] (+ 8
+    words the second), byte pointers to the scale of sub-block 8h + l4 (+ 2 gm + 4 gh) and to d
+    [BLOCK_N, G], and sb, h, l4 [G]. b2 (16) and b3 stay run-time values: see block_planes."""
+    g = tl.arange(0, 4 * NB)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 4
+    h = (g // 2) % 2
+    l4 = g % 2
+    qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
+    ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]
+    sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
+    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
+    return qh_p, ql_p, sp, dp, sb, h, l4
+
+
+@triton.jit
 def q4_k_scale_words(sp):
     """The three 16-bit loads q4_k_scale_pairs decodes (sp: scale byte 2j of each group)."""
     a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # sc[2j], sc[2j + 1]

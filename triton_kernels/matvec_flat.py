@@ -41,10 +41,11 @@ from vegaserve.triton_kernels.flat_words import (
     nibble,
     nibble_magics,
     program_rows,
+    q4_k_groups,
     q4_k_scale_pairs,
+    q6_k_groups,
     split4,
     store_rows,
-    word_ptrs,
     x_vec,
     zero_rows,
 )
@@ -164,15 +165,8 @@ def _q4_k_kernel(
 ):
     G: tl.constexpr = 2 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    g = tl.arange(0, G)
-    i4 = tl.arange(0, 4)
-    sb = first + g // 2
-    j = g % 2
-    # chunk j's first half; + 4 words its second half, + 16 and + 20 those of chunk j + 2
-    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + i4[None, None, :]
-    dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0  # d f16, dmin f16 at + 2
-    sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]  # scale bytes 2j, 2j + 1 (+ 4, + 8)
-    xk = (sb * 256 + j * 64)[:, None] + i4[None, :]
+    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB)
+    xk = (sb * 256 + j * 64)[:, None] + tl.arange(0, 4)[None, :]
     xs = sb * 8 + 2 * j  # sub-block 2j in xs
     mags = nibble_magics(N > 0)
     # M = 1: each thread sums its activations (shared by its rows, 1 FADD per element / rows per thread);
@@ -243,17 +237,8 @@ def _q6_k_kernel(
 ):
     G: tl.constexpr = 4 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    g = tl.arange(0, G)
-    i4 = tl.arange(0, 4)
-    sb = first + g // 4
-    h = (g // 2) % 2
-    l4 = g % 2
-    qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
-    ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]  # + 8: gm 1
-    # scale of sub-block 8h + l4 (+ 2 gm + 4 gh); b2 (16) and b3 at run time: see flat_words.block_planes
-    sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
-    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
-    xk = (sb * 256 + h * 128 + l4 * 16)[:, None] + i4[None, :]
+    qh_p, ql_p, sp, dp, sb, h, l4 = q6_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB)
+    xk = (sb * 256 + h * 128 + l4 * 16)[:, None] + tl.arange(0, 4)[None, :]
     mags = nibble_magics(N > 0)
     acc = zero_rows(M, BLOCK_N, G)
     for _ in range(0, n_iter):

@@ -31,11 +31,12 @@ import triton.language as tl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
     program_rows,
+    q4_k_groups,
     q4_k_scale_decode,
     q4_k_scale_words,
+    q6_k_groups,
     split4,
     store_rows,
-    word_ptrs,
     zero_rows,
 )
 from vegaserve.triton_kernels.layout import PackedWeight
@@ -274,14 +275,8 @@ def _q4_k_kernel(
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
     G: tl.constexpr = 2 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    g = tl.arange(0, G)
-    i4 = tl.arange(0, 4)
-    sb = first + g // 2
-    j = g % 2
-    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + i4[None, None, :]
-    dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
-    sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
-    xw = (sb * 64 + j * 16)[:, None] + i4[None, :]  # int32 word of sub-block 2j's first element
+    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB)
+    xw = (sb * 64 + j * 16)[:, None] + tl.arange(0, 4)[None, :]  # int32 word of sub-block 2j's first element
     # q8_1 block of sub-block 2j, [BLOCK_N, G] (the same for every row): loaded in the accumulators'
     # shape, a [1, G] load got a layout of its own and a conversion through shared memory per row of x
     xb = (sb * 8 + 2 * j)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
@@ -363,16 +358,8 @@ def _q6_k_kernel(
     # high nibble), its two high bits at bit 2j of qh byte l, its scale 8h + l4 + 2j
     G: tl.constexpr = 4 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    g = tl.arange(0, G)
-    i4 = tl.arange(0, 4)
-    sb = first + g // 4
-    h = (g // 2) % 2
-    l4 = g % 2
-    qh_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + h * 8 + l4 * 4)[None, :, None] + i4[None, None, :]
-    ql_p = word_ptrs(base, o0, r0, r64) + (sb * 32 + h * 16 + l4 * 4)[None, :, None] + i4[None, None, :]
-    sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
-    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
-    xw = (sb * 64 + h * 32 + l4 * 4)[:, None] + i4[None, :]  # + 8j: the words of code j's 16 elements
+    qh_p, ql_p, sp, dp, sb, h, l4 = q6_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB)
+    xw = (sb * 64 + h * 32 + l4 * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: the words of code j's 16 elements
     xb = sb * 8 + h * 4  # + j: their q8_1 block
     acc = zero_rows(M, BLOCK_N, G)
     tile = _q6_k_tile(qh_p, ql_p, sp, dp)
