@@ -135,13 +135,19 @@ class TritonMethod(QuantMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         from vegaserve.triton_kernels.matmul import dense_gemm
+        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
             outs = []
+            q8_1 = None  # x quantized once for every int8-dot matrix of the layer (q, k and v of mixed types)
             for w, by_m in zip(layer.packed, layer.tuned, strict=True):
                 fn, cfg = by_m[m - 1]
-                outs.append(fn(x, w, **cfg))
+                if fn is matvec_int8:
+                    q8_1 = q8_1 or quantize_q8_1(x)
+                    outs.append(fn(x, w, **cfg, q8_1=q8_1))
+                else:
+                    outs.append(fn(x, w, **cfg))
         else:
             xq = x.to(self.gemm_dtype)
             outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
