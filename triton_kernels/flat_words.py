@@ -96,10 +96,26 @@ def zero_rows(M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def store_rows(part_ptr, acc, M: tl.constexpr, N, rows):
-    """Row m of this split's partial [M, N] (part [SPLIT_K, M, N]): the group axis reduced, once."""
-    for m in tl.static_range(M):
-        tl.store(part_ptr + (tl.program_id(1) * M + m) * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+def store_rows(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLIT: tl.constexpr):
+    """Rows `rows` of y [M, N], the group axis of each accumulator reduced once. With SPLIT > 1 programs
+    along K, each stores its partial (part [SPLIT, M, N]) and counts itself in count_ptr[program_id(0)];
+    the last of the SPLIT to arrive sums the partials in split order (the same sum whatever the order of
+    arrival) into y and sets the count back to 0 for the next launch. No second launch for the sum."""
+    if SPLIT == 1:
+        for m in tl.static_range(M):
+            tl.store(out_ptr + m * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+    else:
+        for m in tl.static_range(M):
+            tl.store(part_ptr + (tl.program_id(1) * M + m) * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+        tl.debug_barrier()  # every thread's partial is written before the count is taken (release, GPU scope)
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            for m in tl.static_range(M):
+                total = tl.load(part_ptr + m * N + rows, mask=rows < N, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT):  # .cg: from L2, where the other programs' stores are
+                    total += tl.load(part_ptr + (s * M + m) * N + rows, mask=rows < N, cache_modifier=".cg")
+                tl.store(out_ptr + m * N + rows, total, mask=rows < N)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -145,6 +161,17 @@ def q6_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl
     sp = base + o2 + r64[:, None] * r2 + (sb * b2 + h * 8 + l4 * (b2 // 16))[None, :]
     dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
     return qh_p, ql_p, sp, dp, sb, h, l4
+
+
+@triton.jit
+def q6_k_scales(sp, l4):
+    """The four signed scales of a Q6_K group, sub-blocks 8h + l4 + 2c for c = 0..3 (sp from q6_k_groups,
+    at c = 0), as int32 [BLOCK_N, G]: two aligned word loads of scale bytes 8h .. 8h + 7 instead of four
+    byte loads, each scale sign-extended from its byte."""
+    w = (sp - l4[None, :]).to(tl.pointer_type(tl.int32))
+    lo = tl.load(w) >> (8 * l4)[None, :]  # bytes l4 and l4 + 2 at bits 0 and 16
+    hi = tl.load(w + 1) >> (8 * l4)[None, :]
+    return (lo << 24) >> 24, (lo << 8) >> 24, (hi << 24) >> 24, (hi << 8) >> 24
 
 
 @triton.jit

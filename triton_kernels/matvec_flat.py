@@ -44,6 +44,7 @@ from vegaserve.triton_kernels.flat_words import (
     q4_k_groups,
     q4_k_scale_pairs,
     q6_k_groups,
+    q6_k_scales,
     split4,
     store_rows,
     x_vec,
@@ -59,11 +60,13 @@ Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
 
 @triton.jit
 def _q8_0_kernel(
-    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    x_ptr, base,  # pointers: activations [M, K], weight bytes
+    part_ptr, out_ptr, count_ptr,  # store_rows': partials [SPLIT, M, N] f32, y [M, N] f32, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,  # sizes (blocks of 32)
     stride_xm,  # strides
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
+    # meta: rows of x, rows per program, blocks per tile, programs along K
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 8)  # qs + 4: the block's second half
@@ -91,16 +94,18 @@ def _q8_0_kernel(
         qs += NB * 8
         dp += NB * b0
         xk += NB * 32
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 @triton.jit
 def _q4_0_kernel(
-    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    x_ptr, base,  # pointers: activations [M, K], weight bytes
+    part_ptr, out_ptr, count_ptr,  # store_rows': partials [SPLIT, M, N] f32, y [M, N] f32, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,  # sizes (blocks of 32)
     stride_xm,  # strides
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, blocks per tile
+    # meta: rows of x, rows per program, blocks per tile, programs along K
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
 ):
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, 4)
@@ -127,7 +132,7 @@ def _q4_0_kernel(
         qs += NB * 4
         dp += NB * b0
         xk += NB * 32
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 @triton.jit
@@ -156,12 +161,14 @@ def _q4_k_chunk(words, xrow, xk, mags, X_SUMS: tl.constexpr):
 
 @triton.jit
 def _q4_k_kernel(
-    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    x_ptr, base,  # pointers: activations [M, K], weight bytes
+    part_ptr, out_ptr, count_ptr,  # store_rows': partials [SPLIT, M, N] f32, y [M, N] f32, arrival counts
     xs_ptr,  # sums of x per 32 elements [M, K / 32] f32 (read when M > 1)
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # sizes (super-blocks of 256)
     stride_xm,  # strides
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, super-blocks per tile
+    # meta: rows of x, rows per program, super-blocks per tile, programs along K
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
 ):
     G: tl.constexpr = 2 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
@@ -200,7 +207,7 @@ def _q4_k_kernel(
         sp += NB * b1
         xk += NB * 256
         xs += NB * 8
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 @triton.jit
@@ -229,11 +236,13 @@ def _q6_k_run(ql, qh, gm, xrow, xk, mags):
 
 @triton.jit
 def _q6_k_kernel(
-    x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
+    x_ptr, base,  # pointers: activations [M, K], weight bytes
+    part_ptr, out_ptr, count_ptr,  # store_rows': partials [SPLIT, M, N] f32, y [M, N] f32, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # sizes (super-blocks of 256)
     stride_xm,  # strides
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,  # meta: rows of x, rows per program, super-blocks per tile
+    # meta: rows of x, rows per program, super-blocks per tile, programs along K
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
 ):
     G: tl.constexpr = 4 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
@@ -244,12 +253,13 @@ def _q6_k_kernel(
     for _ in range(0, n_iter):
         qh = split4(tl.load(qh_p))
         d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+        scales = q6_k_scales(sp, l4)
         new = acc
         # the two ql runs; with M > 1 rolled (see _q4_k_kernel)
         for gm in tl.range(0, 2, loop_unroll_factor=2 if M == 1 else 1):
             ql = split4(tl.load(ql_p + 8 * gm))
-            sc_lo = tl.load((sp + 2 * gm).to(tl.pointer_type(tl.int8))).to(tl.float32)  # sub-block 2gm + ..
-            sc_hi = tl.load((sp + 2 * gm + 4).to(tl.pointer_type(tl.int8))).to(tl.float32)  # 2gm + 4 + ..
+            sc_lo = tl.where(gm == 0, scales[0], scales[1]).to(tl.float32)  # sub-block 2gm + ..
+            sc_hi = tl.where(gm == 0, scales[2], scales[3]).to(tl.float32)  # 2gm + 4 + ..
             acc_g = ()
             for m in tl.static_range(M):
                 lo, hi = _q6_k_run(ql, qh, gm, x_ptr + m * stride_xm, xk + 32 * gm, mags)
@@ -261,7 +271,7 @@ def _q6_k_kernel(
         sp += NB * b2
         dp += NB * b3
         xk += NB * 256
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 # type id -> (kernel, elements per block, groups per block, bytes one group loads per row and tile)
@@ -334,6 +344,26 @@ class Launch:
     def grid(self, n: int) -> tuple[int, int]:
         return triton.cdiv(n, self.params["block_n"]), self.split
 
+    def outputs(self, m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The store_rows arguments: partials [split, m, n] (unused at split 1), y [m, n], arrival counts."""
+        y = torch.empty(m, n, dtype=torch.float32, device=device)
+        if self.split == 1:
+            return y, y, y
+        part = torch.empty(self.split, m, n, dtype=torch.float32, device=device)
+        return part, y, arrival_counts(device, self.grid(n)[0])
+
+
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least n, that split-K programs count into and leave at zero (store_rows). One
+    buffer per device, grown and never freed: a captured graph keeps the address it was captured with."""
+    held = _COUNTS.setdefault(torch.device(device), [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]
+
 
 def plan_launch(op: str, x: torch.Tensor, w: PackedWeight, supported: frozenset[int],
                 given: dict[str, int | None]) -> Launch:
@@ -369,16 +399,16 @@ def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                        {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
     M, K = x.shape
     x = x.contiguous()
-    part = torch.empty(plan.split, M, w.n, dtype=torch.float32, device=x.device)
+    part, y, counts = plan.outputs(M, w.n, x.device)
     xs = ()
     if w.type_id == Q4_K:  # activation sums per 32 elements (read by the kernel when M > 1)
         xs = (x.float().view(M, K // 32, 32).sum(-1) if M > 1 else x,)
     _KERNELS[w.type_id][0][plan.grid(w.n)](
-        x, part, w.data, *xs, *w.field_args(), w.n, K, plan.per_split, x.stride(0),
-        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, num_warps=plan.params["num_warps"],
-        num_stages=num_stages,
+        x, w.data, part, y, counts, *xs, *w.field_args(), w.n, K, plan.per_split, x.stride(0),
+        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split,
+        num_warps=plan.params["num_warps"], num_stages=num_stages,
     )
-    return part[0] if plan.split == 1 else part.sum(0)
+    return y
 
 
 def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, warp_size: int,

@@ -35,12 +35,14 @@ from vegaserve.triton_kernels.flat_words import (
     q4_k_scale_decode,
     q4_k_scale_words,
     q6_k_groups,
+    q6_k_scales,
     split4,
     store_rows,
     zero_rows,
 )
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
 
 Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
@@ -108,10 +110,14 @@ def _x_words(xrow, xw, OFF: tl.constexpr):
 
 
 @triton.jit
-def _advance(more, step):
-    """The step a tile pointer takes to the next tile, 0 on the last one: the load after the last tile's
-    dot products reloads it (a cache hit) instead of reading past the split's end."""
-    return tl.where(more, step, 0)
+def _advance(more, step, CARRY: tl.constexpr):
+    """The step a tile pointer takes to the next tile. CARRY (the next tile is loaded at the end of an
+    iteration and carried into the next): 0 after the last tile, whose extra load then reloads it (a cache
+    hit) instead of reading past the split's end. Else each iteration loads its own tile first."""
+    if CARRY:
+        return tl.where(more, step, 0)
+    else:
+        return step
 
 
 @triton.jit
@@ -168,10 +174,12 @@ def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BL
 
 @triton.jit
 def _legacy_kernel(
-    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,  # q8_1 activations (int32 words, scales, sums), partials, weights
+    xq_ptr, dx_ptr, sx_ptr, base,  # q8_1 activations (int32 words, scales, sums), weights
+    part_ptr, out_ptr, count_ptr,  # store_rows': partials, y, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, WORDS: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Q8_0 (WORDS 8) and Q4_0 (WORDS 4): blocks of 32 with one f16 scale and WORDS quant words."""
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
@@ -179,19 +187,23 @@ def _legacy_kernel(
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
-    tile = _legacy_tile(qs, dp, WORDS // 4)
+    if CARRY:
+        tile = _legacy_tile(qs, dp, WORDS // 4)
     for it in range(0, n_iter):
+        if not CARRY:
+            tile = _legacy_tile(qs, dp, WORDS // 4)
         more = it + 1 < n_iter
-        qs += _advance(more, NB * WORDS)
-        dp += _advance(more, NB * b0)
+        qs += _advance(more, NB * WORDS, CARRY)
+        dp += _advance(more, NB * b0, CARRY)
         if WORDS == 8:
             acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
         else:
             acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-        tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
+        if CARRY:
+            tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 @triton.jit
@@ -266,10 +278,11 @@ def _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constex
 
 @triton.jit
 def _q4_k_kernel(
-    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
@@ -282,19 +295,24 @@ def _q4_k_kernel(
     xb = (sb * 8 + 2 * j)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     acc = zero_rows(M, BLOCK_N, G)
     ACTS: tl.constexpr = 1 if M == 1 else 0  # rows of x whose activations are loaded with the tile
-    tile = _q4_k_tile(qs, dm, sp)
-    acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+    if CARRY:
+        tile = _q4_k_tile(qs, dm, sp)
+        acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q4_k_tile(qs, dm, sp)
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
         more = it + 1 < n_iter
         acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-        qs += _advance(more, NB * 32)
-        dm += _advance(more, NB * b0)
-        sp += _advance(more, NB * b1)
-        xw += _advance(more, NB * 64)
-        xb += _advance(more, NB * 8)
-        tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
-        acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
-    store_rows(part_ptr, acc, M, N, rows)
+        qs += _advance(more, NB * 32, CARRY)
+        dm += _advance(more, NB * b0, CARRY)
+        sp += _advance(more, NB * b1, CARRY)
+        xw += _advance(more, NB * 64, CARRY)
+        xb += _advance(more, NB * 8, CARRY)
+        if CARRY:
+            tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 @triton.jit
@@ -304,13 +322,11 @@ def _minus_32(code):
 
 
 @triton.jit
-def _q6_k_tile(qh_p, ql_p, sp, dp):
-    """Loads of one Q6_K tile: d, the group's four scale bytes, its qh run and its two ql runs."""
+def _q6_k_tile(qh_p, ql_p, sp, dp, l4):
+    """Loads of one Q6_K tile: d, the group's four scales (codes 0 .. 3, gm + 2 gh), its qh run and its two
+    ql runs."""
     d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    s8 = sp.to(tl.pointer_type(tl.int8))
-    scales = (tl.load(s8).to(tl.float32), tl.load(s8 + 2).to(tl.float32), tl.load(s8 + 4).to(tl.float32),
-              tl.load(s8 + 6).to(tl.float32))  # codes 0, 1, 2, 3 of the group (gm + 2 gh)
-    return d, scales, tl.load(qh_p), tl.load(ql_p), tl.load(ql_p + 8)
+    return d, q6_k_scales(sp, l4), tl.load(qh_p), tl.load(ql_p), tl.load(ql_p + 8)
 
 
 @triton.jit
@@ -327,8 +343,8 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
         for i in tl.static_range(4):
             lo = lo + (_minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
             hi = hi + (_minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
-        sc_lo = d * scales[gm]  # code gm
-        sc_hi = d * scales[gm + 2]  # code gm + 2
+        sc_lo = d * scales[gm].to(tl.float32)  # code gm
+        sc_hi = d * scales[gm + 2].to(tl.float32)  # code gm + 2
         acc_g = ()
         for m in tl.static_range(M):
             xrow = xq_ptr + m * (K // 4)
@@ -348,10 +364,11 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _q6_k_kernel(
-    xq_ptr, dx_ptr, sx_ptr, part_ptr, base,
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr,
 ):
     # groups as in matvec_flat: (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
     # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
@@ -362,24 +379,34 @@ def _q6_k_kernel(
     xw = (sb * 64 + h * 32 + l4 * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: the words of code j's 16 elements
     xb = sb * 8 + h * 4  # + j: their q8_1 block
     acc = zero_rows(M, BLOCK_N, G)
-    tile = _q6_k_tile(qh_p, ql_p, sp, dp)
+    if CARRY:
+        tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)
     for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)
         more = it + 1 < n_iter
         acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-        qh_p += _advance(more, NB * 16)
-        ql_p += _advance(more, NB * 32)
-        sp += _advance(more, NB * b2)
-        dp += _advance(more, NB * b3)
-        tile = _q6_k_tile(qh_p, ql_p, sp, dp)  # the next tile's loads (ptxas issues them mid-loop)
+        qh_p += _advance(more, NB * 16, CARRY)
+        ql_p += _advance(more, NB * 32, CARRY)
+        sp += _advance(more, NB * b2, CARRY)
+        dp += _advance(more, NB * b3, CARRY)
+        if CARRY:
+            tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 64
         xb += NB * 8
-    store_rows(part_ptr, acc, M, N, rows)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
 _KERNELS = {Q8_0: (_legacy_kernel, {"WORDS": 8}), Q4_0: (_legacy_kernel, {"WORDS": 4}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
+
+
+def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict[str, int]]:
+    """The launch configs a sweep times: matvec_flat's tile candidates, each with the tile loaded ahead
+    (carry 1) and in its own iteration (carry 0)."""
+    return [{**c, "carry": carry} for c in flat_candidates(type_id, n, k, m, sm_count) for carry in (1, 0)]
 
 
 def dot_kind(device: torch.device) -> int:
@@ -390,20 +417,21 @@ def dot_kind(device: torch.device) -> int:
 
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
-                split_k: int | None = None, num_warps: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
-    several matmuls of one activation share. Unset launch parameters: the tuning file's "matvec_int8"
-    entry, else matvec_flat's rule."""
-    plan = plan_launch("matvec_int8", x, w, SUPPORTED,
-                       {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps})
+    several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
+    iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
+    Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
+    plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
+                                                        "num_warps": num_warps, "carry": carry})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    part = torch.empty(plan.split, M, w.n, dtype=torch.float32, device=x.device)
     kernel, type_args = _KERNELS[w.type_id]
+    part, y, counts = plan.outputs(M, w.n, x.device)
     kernel[plan.grid(w.n)](
-        q.view(torch.int32), dx, sx, part, w.data, *w.field_args(), w.n, K, plan.per_split,
-        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, DOT=dot_kind(x.device), **type_args,
-        num_warps=plan.params["num_warps"], num_stages=1,
+        q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,
+        M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot_kind(x.device),
+        CARRY=plan.params.get("carry", 1), **type_args, num_warps=plan.params["num_warps"], num_stages=1,
     )
-    return part[0] if plan.split == 1 else part.sum(0)
+    return y

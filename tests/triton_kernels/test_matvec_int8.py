@@ -1,7 +1,8 @@
 """The int8-dot decode mat-vec (triton_kernels/matvec_int8.py): its q8_1 quantizer against gguf's Q8_0
 quantizer, and each type's product against the reference on the same quantized activation (float64),
-with 1, 3 and 8 rows, odd N, split-K on and off, partials poisoned with NaN. Under the interpreter dot4
-is its integer emulation; on a GPU the same test runs the dp4a (or v_dot4) instruction."""
+with 1, 3 and 8 rows, odd N, tiles loaded ahead or not, split-K on and off (the last program of a row
+tile sums the partials), outputs poisoned with NaN. Under the interpreter dot4 is its integer emulation;
+on a GPU the same test runs the dp4a (or v_dot4) instruction."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_flat import arrival_counts
 from vegaserve.triton_kernels.matvec_int8 import SUPPORTED, matvec_int8, quantize_q8_1, reference_matvec_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
@@ -40,8 +42,8 @@ def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element():
 
 
 @pytest.mark.parametrize("name", sorted(NAMES[t] for t in SUPPORTED))
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k):
+@pytest.mark.parametrize("split_k, carry", [(1, 1), (2, 1), (2, 0)])
+def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k, carry):
     tid = IDS[name]
     qk = GGML_TYPES[tid].block_size
     k = 4 * max(qk, 64)
@@ -51,10 +53,13 @@ def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k
     for m in (1, 3, 8):
         x = torch.randn(m, k, generator=gen).to(DEVICE)
         q, d, s = quantize_q8_1(x)
-        y = matvec_int8(x, w, block_n=16, nb=2 if qk == 32 else 8, split_k=split_k, num_warps=1, q8_1=(q, d, s))
+        y = matvec_int8(x, w, block_n=16, nb=2 if qk == 32 else 8, split_k=split_k, num_warps=1, carry=carry,
+                        q8_1=(q, d, s))
         assert torch.isfinite(y).all()
         ref = reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)
         assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
         # and against the unquantized activation: the q8_1 rounding only (about 1/127 per element)
         exact = reference_matmul(x.cpu(), ref_w)
         assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2
+    # the split programs' arrival counts are back at zero for the next launch (the calls above relied on it)
+    assert not arrival_counts(torch.device(DEVICE), 1).any()

@@ -30,7 +30,7 @@ def test_tune_writes_tile_and_int8_configs_and_the_kernel_choice(tmp_path):
     table = json.loads(out.read_text())
     assert table["matvec"]["Q4_0"] == {"small": {"1": {"block_n": 16}}}
     assert set(table["matvec"]["Q8_0"]["small"]["1"]) == {"block_n", "nb", "split_k"}
-    assert set(table["matvec_int8"]["Q8_0"]["small"]["1"]) == {"block_n", "nb", "split_k", "num_warps"}
+    assert set(table["matvec_int8"]["Q8_0"]["small"]["1"]) == {"block_n", "nb", "split_k", "num_warps", "carry"}
     assert table["matvec_kernel"]["Q8_0"] in ("tiles", "int8")
     t = load_tuning(table["target"], out)
     assert t.matvec_kernel("Q8_0") == table["matvec_kernel"]["Q8_0"]
