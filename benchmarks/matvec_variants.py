@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -45,6 +46,21 @@ from bench_kernels import copy_bandwidth, read_bandwidth  # noqa: E402
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 
 
+def wide_candidates(type_id: int, k: int, threads_per_warp: int = 32) -> list[dict[str, int]]:
+    """A grid around the shipped configs: 16-64 rows per program, tiles of 2-8 super-blocks (8-32
+    blocks of 32 for the legacy types), 4 or 8 warps, 1 or 2 K splits, both carry modes; only those
+    giving every thread 1 to 8 rows of a group, and K splits that leave each split 2 tiles."""
+    qk = GGML_TYPES[type_id].block_size
+    groups_per_block = {256: 4 if type_id == TYPE_IDS["Q6_K"] else 2}.get(qk, 1)
+    out = []
+    for block_n, nb, warps, split, carry in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2), (1, 0)):
+        blocks = max(1, nb * 32 // qk)
+        rows_per_thread = block_n * blocks * groups_per_block / (threads_per_warp * warps)
+        if 1 <= rows_per_thread <= 8 and (k // qk) // (blocks * split) >= 2:
+            out.append({"block_n": block_n, "nb": nb, "num_warps": warps, "split_k": split, "carry": carry})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
@@ -55,6 +71,9 @@ def main() -> None:
                     help="graph: calls on rotating weight copies replayed in one CUDA graph, as in the decode "
                          "graph (triton_kernels/timing.py); events: do_bench, one call per event pair after an "
                          "L2 flush (launch latency included)")
+    ap.add_argument("--wide", action="store_true",
+                    help="int8: time a grid of launch configs (rows per program, tile length, warps, K splits, "
+                         "carry) instead of the rule's neighbours; minutes per shape")
     ap.add_argument("--json", default=None, help="write the rows here as a JSON list")
     ap.add_argument("--write-tuning", default=None,
                     help="write the shipped tuning file with \"matvec_kernel\" set to int8 (or else flat) for every "
@@ -124,7 +143,7 @@ def main() -> None:
                             return None
                         return bench(lambda wi: matvec_int8(x, wi, **cfg, q8_1=q8))
 
-                    for cfg in int8_candidates(tid, n, k, m, sms):
+                    for cfg in (wide_candidates(tid, k) if args.wide else int8_candidates(tid, n, k, m, sms)):
                         t = time_int8(cfg)
                         if t is not None and (t_int8 is None or t < t_int8):
                             t_int8, cfg_int8 = t, cfg
