@@ -15,22 +15,31 @@ import torch
 import triton
 import triton.language as tl
 
+from vegaserve.triton_kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, stride_x, stride_d, stride_y, N, eps,
-                     BLOCK: tl.constexpr, ADD: tl.constexpr):
+                     BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     """y = norm(x) * w; with ADD, h = x + delta is written first and normed (the residual stream)."""
+    pdl.let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < N
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    pdl.wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
     if ADD:
         x = x + tl.load(d_ptr + row * stride_d + cols, mask=live, other=0.0)
         tl.store(h_ptr + row * N + cols, x, mask=live)
     x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=live)
+
+
+def _pdl(x: torch.Tensor) -> dict[str, bool]:
+    """The PDL constant and launch keyword of a kernel here (pdl.py)."""
+    return {"PDL": pdl.enabled(x.device), **pdl.launch_args(x.device)}
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -45,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, x, x, weight, y, x.stride(0), 0, y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=False)
+                               BLOCK=triton.next_power_of_2(N), ADD=False, **_pdl(x))
     return y
 
 
@@ -63,7 +72,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, delta, h, weight, y, x.stride(0), delta.stride(0), y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=True)
+                               BLOCK=triton.next_power_of_2(N), ADD=True, **_pdl(x))
     return h, y
 
 
@@ -73,9 +82,11 @@ _ROPE_HEADS = 4  # heads per program
 @triton.jit
 def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, H,
                  D: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
-                 HALF: tl.constexpr, REST: tl.constexpr):
+                 HALF: tl.constexpr, REST: tl.constexpr, PDL: tl.constexpr):
     """Token program_id(0), heads program_id(1) * BLOCK_H onwards: pairs (i, i + ROT/2) (NEOX) or
     (2i, 2i + 1) rotate by the angle of pair i at the token's position; features ROT.. D are copied."""
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -119,12 +130,15 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
             x, y, positions, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), H,
             D=D, ROT=rope_dim, NEOX=neox, BLOCK_H=block_h,
             HALF=triton.next_power_of_2(max(rope_dim // 2, 1)), REST=triton.next_power_of_2(rest) if rest else 0,
+            **_pdl(x),
         )
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, stride_x, F, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < F
@@ -142,5 +156,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(F))
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), F, BLOCK=block)
+        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), F, BLOCK=block, **_pdl(gate_up))
     return y

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
     program_rows,
@@ -65,9 +66,12 @@ def dot4(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_q8_1_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, stride_xm, BLOCKS: tl.constexpr):
+def _quantize_q8_1_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, stride_xm, BLOCKS: tl.constexpr,
+                          PDL: tl.constexpr):
     """Row program_id(0), BLOCKS blocks of 32 from program_id(1) * BLOCKS: as ggml's quantize_row_q8_1
     and gguf's Q8_0 quantizer (d = amax / 127, q = round half away from zero of x / d)."""
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     e = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -93,7 +97,8 @@ def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     d = torch.empty(M, n_blocks, dtype=torch.float32, device=x.device)
     s = torch.empty_like(d)
     blocks = 32
-    _quantize_q8_1_kernel[(M, triton.cdiv(n_blocks, blocks))](x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks)
+    _quantize_q8_1_kernel[(M, triton.cdiv(n_blocks, blocks))](
+        x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks, PDL=pdl.enabled(x.device), **pdl.launch_args(x.device))
     return q, d, s
 
 
@@ -179,9 +184,10 @@ def _legacy_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, WORDS: tl.constexpr,
+    CARRY: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Q8_0 (WORDS 8) and Q4_0 (WORDS 4): blocks of 32 with one f16 scale and WORDS quant words."""
+    pdl.let_next_start(PDL)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS)
     xb = first + tl.arange(0, NB)
@@ -192,6 +198,7 @@ def _legacy_kernel(
     for it in range(0, n_iter):
         if not CARRY:
             tile = _legacy_tile(qs, dp, WORDS // 4)
+        pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += _advance(more, NB * WORDS, CARRY)
         dp += _advance(more, NB * b0, CARRY)
@@ -203,6 +210,7 @@ def _legacy_kernel(
             tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
+    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -282,8 +290,9 @@ def _q4_k_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.let_next_start(PDL)
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
     G: tl.constexpr = 2 * NB
@@ -297,10 +306,12 @@ def _q4_k_kernel(
     ACTS: tl.constexpr = 1 if M == 1 else 0  # rows of x whose activations are loaded with the tile
     if CARRY:
         tile = _q4_k_tile(qs, dm, sp)
+        pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
         acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     for it in range(0, n_iter):
         if not CARRY:
             tile = _q4_k_tile(qs, dm, sp)
+            pdl.wait_for_inputs(PDL)  # a no-op after the first
             acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
         more = it + 1 < n_iter
         acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
@@ -312,6 +323,7 @@ def _q4_k_kernel(
         if CARRY:
             tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
             acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -368,8 +380,9 @@ def _q6_k_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.let_next_start(PDL)
     # groups as in matvec_flat: (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
     # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
     # high nibble), its two high bits at bit 2j of qh byte l, its scale 8h + l4 + 2j
@@ -384,6 +397,7 @@ def _q6_k_kernel(
     for it in range(0, n_iter):
         if not CARRY:
             tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)
+        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
         more = it + 1 < n_iter
         acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qh_p += _advance(more, NB * 16, CARRY)
@@ -394,6 +408,7 @@ def _q6_k_kernel(
             tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 64
         xb += NB * 8
+    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -433,5 +448,6 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,
         M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot_kind(x.device),
         CARRY=plan.params.get("carry", 1), **type_args, num_warps=plan.params["num_warps"], num_stages=1,
+        PDL=pdl.enabled(x.device), **pdl.launch_args(x.device),
     )
     return y

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+kernel before it in the stream is still running, so its launch, its programs' set-up and its weight
+loads overlap the previous kernel's last wave instead of following it.
+
+Every kernel that takes part calls `let_next_start` first (the next kernel may be scheduled once all of
+this kernel's programs have started) and `wait_for_inputs` before it reads anything an earlier kernel
+wrote and before it writes anything at all; only reads of memory no kernel writes (weights) may come
+before the wait. The wait returns once the previous kernel has finished and its writes are visible, and
+since that kernel waited on its own predecessor, everything earlier in the stream is finished too.
+
+Off under the Triton interpreter, on AMD and before sm_90, and with VEGASERVE_PDL=0 (the decode graphs
+then run each kernel after the last, as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with programmatic dependent launch."""
+    if device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("VEGASERVE_PDL", "1") == "0":
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_args(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that calls let_next_start and wait_for_inputs (PDL=enabled)."""
+    return {"launch_pdl": True} if enabled(device) else {}
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
