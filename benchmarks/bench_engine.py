@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.config import EngineConfig, merge_trees
+from vegaserve.engine.env import config_from_env
 from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.server.bench_cmd import _timed_request
@@ -116,9 +117,10 @@ def main() -> None:
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16
-    cfg = EngineConfig.from_dict({"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
-                                  "scheduler": {"max_num_seqs": max(streams), "max_num_batched_tokens": max(args.pp, 2048)},
-                                  "kernels": {"tuning_file": args.tuning}, "device": "cuda"})
+    tree = {"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
+            "scheduler": {"max_num_seqs": max(streams), "max_num_batched_tokens": max(args.pp, 2048)},
+            "kernels": {"tuning_file": args.tuning}, "device": "cuda"}
+    cfg = EngineConfig.from_dict(merge_trees(config_from_env(), tree))  # the switches, e.g. VEGASERVE_PDL=0
     t0 = time.perf_counter()
     core = EngineCore(cfg, show_progress=False)
     worker = core.runner.executor.worker

@@ -183,6 +183,10 @@ def make_worker(launch: Launch, model, comm, device: torch.device) -> StageWorke
     """The rank's worker: its KV cache in the configured type and, on a single GPU, its decode graphs."""
     cfg = launch.config
     bs = cfg.cache.block_size
+    if device.type == "cuda":
+        from vegaserve.triton_kernels import pdl
+
+        pdl.set_enabled(cfg.kernels.pdl)
     graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)

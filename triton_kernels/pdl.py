@@ -8,8 +8,9 @@ wrote and before it writes anything at all; only reads of memory no kernel write
 before the wait. The wait returns once the previous kernel has finished and its writes are visible, and
 since that kernel waited on its own predecessor, everything earlier in the stream is finished too.
 
-Off under the Triton interpreter, on AMD and before sm_90, and with VEGASERVE_PDL=0 (the decode graphs
-then run each kernel after the last, as before).
+Off under the Triton interpreter, on AMD and before sm_90, and after `set_enabled(False)`: the engine
+calls it from its `kernels.pdl` setting (VEGASERVE_PDL=0, engine/env.py); each kernel then starts after
+the last has finished, as without this.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ import triton
 import triton.language as tl
 
 
+_ON = [True]
+
+
+def set_enabled(on: bool) -> None:
+    """Launch with PDL where the device has it (the default), or never."""
+    _ON[0] = on
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with programmatic dependent launch."""
     if device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("VEGASERVE_PDL", "1") == "0":
+    if not _ON[0]:
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -14,19 +14,34 @@ from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 
-def test_off_on_a_cpu_under_the_interpreter_and_when_switched_off(monkeypatch):
+@pytest.fixture
+def pdl_setting():
+    yield pdl.set_enabled
+    pdl.set_enabled(True)
+
+
+def test_off_on_a_cpu_under_the_interpreter_and_when_switched_off(monkeypatch, pdl_setting):
     assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("VEGASERVE_PDL", "0")
+    pdl_setting(False)
     assert not pdl.enabled(torch.device("cuda"))
     assert pdl.launch_args(torch.device("cuda")) == {}
-    monkeypatch.delenv("VEGASERVE_PDL")
+    pdl_setting(True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda"))
 
 
+def test_the_switch_reaches_the_kernels_setting():
+    from vegaserve.engine.config import EngineConfig
+    from vegaserve.engine.env import config_from_env
+
+    assert config_from_env({"VEGASERVE_PDL": "0"}) == {"kernels": {"pdl": False}}
+    assert EngineConfig.from_dict(config_from_env({"VEGASERVE_PDL": "0"})).kernels.pdl is False
+    assert EngineConfig.from_dict({}).kernels.pdl is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(monkeypatch):
+def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(pdl_setting):
     """Twelve layers of norm -> q8_1 -> int8 mat-vec (split-K too) -> SiLU-mul -> mat-vec -> residual add,
     captured in one CUDA graph and replayed: a kernel that read its input before the one writing it had
     finished would change the result, and only where launches overlap."""
@@ -46,8 +61,8 @@ def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(monkeyp
             h, y = add_rms_norm(h, o, norm_w, 1e-5)
         return y
 
-    def replayed(pdl_on: str) -> torch.Tensor:
-        monkeypatch.setenv("VEGASERVE_PDL", pdl_on)
+    def replayed(pdl_on: bool) -> torch.Tensor:
+        pdl_setting(pdl_on)
         x = torch.randn(1, d, generator=torch.Generator().manual_seed(1)).cuda()
         chain(x)  # compiled outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -60,8 +75,9 @@ def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(monkeyp
         torch.cuda.synchronize()
         return torch.stack(results)
 
-    serial = replayed("0")
-    overlapped = replayed("1")
+    serial = replayed(False)
+    overlapped = replayed(True)
+    assert pdl.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     assert torch.isfinite(serial).all() and serial.abs().sum() > 0
     assert torch.equal(serial, serial[:1].expand_as(serial))
     assert torch.equal(overlapped, serial)
