@@ -32,7 +32,7 @@ import torch
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import matvec
-from vegaserve.triton_kernels.matvec_flat import candidates, matvec_flat, rule
+from vegaserve.triton_kernels.matvec_flat import candidates, groups_per_block, matvec_flat, rule
 from vegaserve.triton_kernels.matvec_int8 import SUPPORTED as INT8_TYPES
 from vegaserve.triton_kernels.matvec_int8 import candidates as int8_candidates
 from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
@@ -51,11 +51,10 @@ def wide_candidates(type_id: int, k: int, threads_per_warp: int = 32) -> list[di
     blocks of 32 for the legacy types), 4 or 8 warps, 1 or 2 K splits, both carry modes; only those
     giving every thread 1 to 8 rows of a group, and K splits that leave each split 2 tiles."""
     qk = GGML_TYPES[type_id].block_size
-    groups_per_block = {256: 4 if type_id == TYPE_IDS["Q6_K"] else 2}.get(qk, 1)
     out = []
     for block_n, nb, warps, split, carry in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2), (1, 0)):
         blocks = max(1, nb * 32 // qk)
-        rows_per_thread = block_n * blocks * groups_per_block / (threads_per_warp * warps)
+        rows_per_thread = block_n * blocks * groups_per_block(type_id) / (threads_per_warp * warps)
         if 1 <= rows_per_thread <= 8 and (k // qk) // (blocks * split) >= 2:
             out.append({"block_n": block_n, "nb": nb, "num_warps": warps, "split_k": split, "carry": carry})
     return out

@@ -37,11 +37,6 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, stride_x, stride_d, stri
     tl.store(y_ptr + row * stride_y + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=live)
 
 
-def _pdl(x: torch.Tensor) -> dict[str, bool]:
-    """The PDL constant and launch keyword of a kernel here (pdl.py)."""
-    return {"PDL": pdl.enabled(x.device), **pdl.launch_args(x.device)}
-
-
 def _check_rows(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"{name} takes [T, N] rows with unit stride; got {tuple(x.shape)} {x.stride()}")
@@ -54,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, x, x, weight, y, x.stride(0), 0, y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=False, **_pdl(x))
+                               BLOCK=triton.next_power_of_2(N), ADD=False, **pdl.launch_args(x.device))
     return y
 
 
@@ -72,7 +67,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, delta, h, weight, y, x.stride(0), delta.stride(0), y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=True, **_pdl(x))
+                               BLOCK=triton.next_power_of_2(N), ADD=True, **pdl.launch_args(x.device))
     return h, y
 
 
@@ -130,7 +125,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
             x, y, positions, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), H,
             D=D, ROT=rope_dim, NEOX=neox, BLOCK_H=block_h,
             HALF=triton.next_power_of_2(max(rope_dim // 2, 1)), REST=triton.next_power_of_2(rest) if rest else 0,
-            **_pdl(x),
+            **pdl.launch_args(x.device),
         )
     return y
 
@@ -156,5 +151,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(F))
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), F, BLOCK=block, **_pdl(gate_up))
+        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), F, BLOCK=block,
+                                                      **pdl.launch_args(gate_up.device))
     return y

@@ -291,6 +291,11 @@ SUPPORTED = frozenset(_KERNELS)
 _WARPS, _IN_FLIGHT = 4, 24 * 1024
 
 
+def groups_per_block(type_id: int) -> int:
+    """16-byte groups one block of the type holds in a tile row (a thread's unit of work)."""
+    return _KERNELS[type_id][2]
+
+
 def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
     _, qk, _, bpg = _KERNELS[type_id]
     groups = 16 if bpg == 16 else 8

@@ -98,7 +98,7 @@ def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     s = torch.empty_like(d)
     blocks = 32
     _quantize_q8_1_kernel[(M, triton.cdiv(n_blocks, blocks))](
-        x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks, PDL=pdl.enabled(x.device), **pdl.launch_args(x.device))
+        x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks, **pdl.launch_args(x.device))
     return q, d, s
 
 
@@ -210,7 +210,7 @@ def _legacy_kernel(
             tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
-    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -323,7 +323,7 @@ def _q4_k_kernel(
         if CARRY:
             tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
             acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
-    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -408,7 +408,7 @@ def _q6_k_kernel(
             tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 64
         xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # (a no-op: the loop waited) no store before the previous kernel is done
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
@@ -448,6 +448,6 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,
         M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot_kind(x.device),
         CARRY=plan.params.get("carry", 1), **type_args, num_warps=plan.params["num_warps"], num_stages=1,
-        PDL=pdl.enabled(x.device), **pdl.launch_args(x.device),
+        **pdl.launch_args(x.device),
     )
     return y

@@ -23,19 +23,20 @@ import triton
 import triton.language as tl
 
 
-_ON = [True]
+_on = True
 
 
 def set_enabled(on: bool) -> None:
     """Launch with PDL where the device has it (the default), or never."""
-    _ON[0] = on
+    global _on
+    _on = on
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with programmatic dependent launch."""
     if device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if not _ON[0]:
+    if not _on:
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -46,8 +47,10 @@ def _hopper_or_later(index: int) -> bool:
 
 
 def launch_args(device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a kernel that calls let_next_start and wait_for_inputs (PDL=enabled)."""
-    return {"launch_pdl": True} if enabled(device) else {}
+    """The keywords of a launch of a kernel that takes the constant PDL and calls let_next_start and
+    wait_for_inputs with it: PDL, and Triton's launch_pdl where it is on."""
+    on = enabled(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit

@@ -24,7 +24,7 @@ def test_off_on_a_cpu_under_the_interpreter_and_when_switched_off(monkeypatch, p
     assert not pdl.enabled(torch.device("cpu"))
     pdl_setting(False)
     assert not pdl.enabled(torch.device("cuda"))
-    assert pdl.launch_args(torch.device("cuda")) == {}
+    assert pdl.launch_args(torch.device("cuda")) == {"PDL": False}
     pdl_setting(True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda"))
