@@ -55,7 +55,7 @@ from vegaserve.triton_kernels.matmul import divisor_at_most
 from vegaserve.triton_kernels.matmul import reference_matmul  # noqa: F401 - the ground truth these match
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
 
-Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+Q4_0, Q8_0, Q4_K, Q6_K, IQ4_NL, MXFP4 = 2, 8, 12, 14, 20, 39
 
 
 @triton.jit
@@ -274,9 +274,12 @@ def _q6_k_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
-# type id -> (kernel, elements per block, groups per block, bytes one group loads per row and tile)
-_KERNELS = {Q8_0: (_q8_0_kernel, 32, 1, 32), Q4_0: (_q4_0_kernel, 32, 1, 16), Q4_K: (_q4_k_kernel, 256, 2, 64),
-            Q6_K: (_q6_k_kernel, 256, 4, 48)}
+_KERNELS = {Q8_0: _q8_0_kernel, Q4_0: _q4_0_kernel, Q4_K: _q4_k_kernel, Q6_K: _q6_k_kernel}
+# type id -> (elements per block, groups per block, bytes one group loads per row and tile): the word-tile
+# geometry the launch rule sizes tiles from, for these kernels and matvec_int8's (IQ4_NL and MXFP4 have
+# Q4_0's blocks: 16 quant bytes, one group)
+GEOMETRY = {Q8_0: (32, 1, 32), Q4_0: (32, 1, 16), IQ4_NL: (32, 1, 16), MXFP4: (32, 1, 16), Q4_K: (256, 2, 64),
+            Q6_K: (256, 4, 48)}
 SUPPORTED = frozenset(_KERNELS)
 
 # The fixed rule (untimed; `candidates` is what a sweep decides among):
@@ -293,11 +296,11 @@ _WARPS, _IN_FLIGHT = 4, 24 * 1024
 
 def groups_per_block(type_id: int) -> int:
     """16-byte groups one block of the type holds in a tile row (a thread's unit of work)."""
-    return _KERNELS[type_id][2]
+    return GEOMETRY[type_id][1]
 
 
 def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
-    _, qk, _, bpg = _KERNELS[type_id]
+    qk, _, bpg = GEOMETRY[type_id]
     groups = 16 if bpg == 16 else 8
     rows = 2 if qk == 256 and m > 1 else 4
     return _config(type_id, n, k, groups, rows, _WARPS, warp_size, sm_count)
@@ -308,7 +311,7 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: i
     group count, half and (legacy types) twice the rows per thread, and 8 warps. At M > 1 only split-K
     varies for the K-quants: each of their M = 8 kernels takes Triton many seconds to compile."""
     base = rule(type_id, n, k, m, sm_count, warp_size)
-    _, qk, gpb, bpg = _KERNELS[type_id]
+    qk, gpb, bpg = GEOMETRY[type_id]
     groups = base["nb"] * 32 // qk * gpb
     rows = base["block_n"] * groups // (warp_size * base["num_warps"])
     out = [base, {**base, "split_k": base["split_k"] * 2}]
@@ -408,7 +411,7 @@ def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     xs = ()
     if w.type_id == Q4_K:  # activation sums per 32 elements (read by the kernel when M > 1)
         xs = (x.float().view(M, K // 32, 32).sum(-1) if M > 1 else x,)
-    _KERNELS[w.type_id][0][plan.grid(w.n)](
+    _KERNELS[w.type_id][plan.grid(w.n)](
         x, w.data, part, y, counts, *xs, *w.field_args(), w.n, K, plan.per_split, x.stride(0),
         M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split,
         num_warps=plan.params["num_warps"], num_stages=num_stages,
@@ -419,7 +422,7 @@ def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
 def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, warp_size: int,
             sm_count: int) -> dict[str, int]:
     """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
-    _, qk, gpb, bpg = _KERNELS[type_id]
+    qk, gpb, bpg = GEOMETRY[type_id]
     blocks = divisor_at_most(k // qk, max(1, groups // gpb))
     groups = blocks * gpb
     block_n = max(8, min(256, rows * warp_size * warps // groups))

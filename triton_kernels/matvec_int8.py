@@ -4,14 +4,17 @@ quantized to q8_1 once (int8 per element, a scale and a scaled sum per 32), W re
 A candidate beside matmul.matvec and matvec_flat.matvec_flat, with their signature and result (up to the
 activation's quantization, which is the one llama.cpp's MMVQ kernels apply). Four products per
 instruction: `dot4` is dp4a on NVIDIA, v_dot4_i32_i8 on AMD (gfx906 has it and no matrix cores; this
-path has not run on an AMD GPU yet), and plain integer arithmetic under the interpreter. Quant words are loaded 16 bytes per thread as in
-matvec_flat (the same tiles: flat_words.py), and a 4-bit word becomes two dot4 operands with one mask
+path has not run on an AMD GPU yet), and plain integer arithmetic under the interpreter. Quant words are
+loaded 16 bytes per thread as in matvec_flat (the same tiles: flat_words.py), and a 4-bit word becomes two dot4 operands with one mask
 each (low nibbles, high nibbles), so a block of 32 costs 8 dot4, 8 masks and a few float operations per
 activation row, where the float kernels spend 2-3 instructions on every element.
 
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
   Q4_0  d * (dx * sum(q * xq) - 8 sx), q the unsigned nibble.
+  IQ4_NL, MXFP4  d * dx * sum(v[q] * xq), v the type's 16 int8 levels (MXFP4: e2m1 doubled, d = 2^(e - 128));
+        a word of 8 nibbles becomes two words of levels with 8 byte permutes from the 16-byte table
+        (prmt on NVIDIA, as llama.cpp's get_int_from_table_16; the integer emulation elsewhere).
   Q4_K  per 32-element sub-block s: d * sc[s] * dx[s] * sum(q * xq) - dmin * m[s] * sx[s].
   Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
@@ -45,9 +48,22 @@ from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
+from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
+from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
+from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
-Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+Q4_0, Q8_0, Q4_K, Q6_K, IQ4_NL, MXFP4 = 2, 8, 12, 14, 20, 39
 EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
+
+
+def _table_words(levels: tuple[int, ...]) -> tl.constexpr:
+    """16 int8 levels as four little-endian int32 words (bytes 4i .. 4i + 3 in word i)."""
+    return tl.constexpr(tuple(int.from_bytes(bytes(v & 0xFF for v in levels[4 * i : 4 * i + 4]), "little", signed=True)
+                              for i in range(4)))
+
+
+IQ4_NL_WORDS = _table_words(IQ4_NL_LEVELS)
+MXFP4_WORDS = _table_words(DOUBLED_E2M1)
 
 
 @triton.jit
@@ -63,6 +79,42 @@ def dot4(a, b, acc, DOT: tl.constexpr):
         for t in tl.static_range(4):
             acc += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24)
         return acc
+
+
+@triton.jit
+def prmt(a, b, sel, DOT: tl.constexpr):
+    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of {b, a} (a bytes 0-3, b
+    4-7). Selectors here never have bit 3 set (no sign replication), so the emulation leaves that out."""
+    if DOT == 1:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel + tl.zeros_like(a)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            s = (sel >> (4 * k)) & 7
+            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
+            out = out | (byte << (8 * k))
+        return out
+
+
+@triton.jit
+def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr):
+    """A word of 8 nibbles (byte t: low nibble and high nibble) -> the table's int8 levels of the low nibbles
+    of bytes 0..3 and of the high ones, two words. Nibble k (of the low 16 bits, then of the high) picks its
+    byte from table words 0-1 or 2-3 by its low 3 bits, and bit 3 chooses between the two picks. TABLE: 1
+    IQ4_NL's levels, 2 MXFP4's."""
+    WORDS: tl.constexpr = IQ4_NL_WORDS if TABLE == 1 else MXFP4_WORDS
+    live = q == q  # the table in registers, not immediates (see flat_words.magic)
+    t0 = tl.where(live, WORDS[0], 0)
+    t1 = tl.where(live, WORDS[1], 0)
+    t2 = tl.where(live, WORDS[2], 0)
+    t3 = tl.where(live, WORDS[3], 0)
+    idx = q & 0x77777777
+    sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
+    x0 = prmt(prmt(t0, t1, idx, DOT), prmt(t2, t3, idx, DOT), sel & 0xFFFF, DOT)
+    idx_hi = (idx >> 16) & 0xFFFF
+    x1 = prmt(prmt(t0, t1, idx_hi, DOT), prmt(t2, t3, idx_hi, DOT), (sel >> 16) & 0xFFFF, DOT)
+    return prmt(x0, x1, 0x6420, DOT), prmt(x0, x1, 0x7531, DOT)
 
 
 @triton.jit
@@ -126,9 +178,13 @@ def _advance(more, step, CARRY: tl.constexpr):
 
 
 @triton.jit
-def _legacy_tile(qs, dp, HALVES: tl.constexpr):
-    """Loads of one tile of a 32-element type: the f16 scales and HALVES 16-byte runs of each block."""
-    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr):
+    """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale) and
+    HALVES 16-byte runs of each block."""
+    if E8M0:
+        d = half_scale(tl.load(dp).to(tl.int32))
+    else:
+        d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
     if HALVES == 2:
         return d, tl.load(qs), tl.load(qs + 4)
     else:
@@ -178,15 +234,41 @@ def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BL
 
 
 @triton.jit
+def _table_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                TABLE: tl.constexpr, DOT: tl.constexpr):
+    d, q, _ = tile
+    words = split4(q)  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high), as Q4_0
+    lo = ()
+    hi = ()
+    for i in tl.static_range(4):
+        v_lo, v_hi = lookup16(words[i], TABLE, DOT)
+        lo = lo + (v_lo,)
+        hi = hi + (v_hi,)
+    new = ()
+    for m in tl.static_range(M):
+        xrow = xq_ptr + m * (K // 4)
+        xl = _x_words(xrow, xw, 0)
+        xh = _x_words(xrow, xw, 4)
+        s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
+        for i in tl.static_range(4):
+            s = dot4(lo[i], xl[i], s, DOT)
+            s = dot4(hi[i], xh[i], s, DOT)
+        dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
+        new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
+    return new
+
+
+@triton.jit
 def _legacy_kernel(
     xq_ptr, dx_ptr, sx_ptr, base,  # q8_1 activations (int32 words, scales, sums), weights
     part_ptr, out_ptr, count_ptr,  # store_rows': partials, y, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Q8_0 (WORDS 8) and Q4_0 (WORDS 4): blocks of 32 with one f16 scale and WORDS quant words."""
+    """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
+    levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte)."""
     pdl.let_next_start(PDL)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS)
@@ -194,20 +276,22 @@ def _legacy_kernel(
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
     if CARRY:
-        tile = _legacy_tile(qs, dp, WORDS // 4)
+        tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += _advance(more, NB * WORDS, CARRY)
         dp += _advance(more, NB * b0, CARRY)
         if WORDS == 8:
             acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-        else:
+        elif TABLE == 0:
             acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+        else:
+            acc = _table_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
         if CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4)  # the next tile's loads (ptxas issues them mid-loop)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
@@ -413,7 +497,10 @@ def _q6_k_kernel(
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
-_KERNELS = {Q8_0: (_legacy_kernel, {"WORDS": 8}), Q4_0: (_legacy_kernel, {"WORDS": 4}),
+_LEGACY = {"TABLE": 0, "E8M0": False}
+_KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
+            IQ4_NL: (_legacy_kernel, {"WORDS": 4, "TABLE": 1, "E8M0": False}),
+            MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
 
