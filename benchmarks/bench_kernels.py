@@ -2,6 +2,7 @@
 vendor bf16 GEMM on the same shape, repacked against canonical. Prints a table and one JSON line per row.
 
     python benchmarks/bench_kernels.py --types Q4_K,Q8_0 --ms 1,8,256,2048 [--shapes 4096x4096,...] [--sweep]
+        [--paths triton,dense] [--canonical]
 
 Weights are random valid blocks (finite scales), activations random normal: never zeros. Ceilings are
 measured in the same run: a 2 GiB device-to-device copy (bytes read + written) and torch.matmul in bf16.
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(LLAMA3_8B))
     ap.add_argument("--ms", default="1,2,4,8,16,64,256,512,2048")
     ap.add_argument("--canonical", action="store_true", help="also time the canonical layout")
+    ap.add_argument("--paths", default="triton,dense",
+                    help="prefill paths for M > 8: triton (in-register GEMM), dense (dequantized scratch + vendor "
+                         "GEMM, the engine's)")
     ap.add_argument("--sweep", default="", help="JSON list of launch configs to try per row; best is kept")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -89,7 +93,7 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=torch.float32 if m <= 8 else torch.bfloat16)
                     xb = x.to(torch.bfloat16)
                     t_cublas = bench(lambda: xb @ dense.T)
-                    for path in (["matvec"] if m <= 8 else ["triton", "dense"]):
+                    for path in (["matvec"] if m <= 8 else args.paths.split(",")):
                         configs = (sweep or [{}]) if path != "dense" else [{}]
                         ref = x[:8].float() @ w_dense.T  # f32 on the GPU (TF32 off): reference dequantizer
 
