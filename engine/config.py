@@ -53,6 +53,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 1  # llama-server's -np
     max_num_batched_tokens: int = 2048
+    # VEGASERVE_ASYNC_DECODE: launch the next decode step before the host has read this one's tokens
+    # (engine_core.py); None: on where the device runs asynchronously (a GPU), off on a CPU
+    async_decode: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"parallel sequences (-np) must be >= 1, got {self.max_num_seqs}")

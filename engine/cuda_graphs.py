@@ -143,9 +143,10 @@ class DecodeGraphs:
         return (0 < len(seqs) <= self.max_batch and not any(all_logits)
                 and all(len(t) == 1 and start < self.max_model_len for _, start, t in seqs))
 
-    def run(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    def run(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(seqs), vocab] f32 of a decode step (seqs as StepPlan.seqs). The tensor is the
-        graph's output buffer: read it before the next step."""
+        graph's output buffer: read it before the next step. input_ids [len(seqs)] on the device: the
+        tokens, copied into the staging on the device after the host's part (async decode)."""
         S = len(seqs)
         b = next(x for x in self.buckets if x >= S)
         if self.copied is not None:
@@ -162,6 +163,8 @@ class DecodeGraphs:
         # the four vectors whole, then the bucket's rows of the tables
         n = 4 * self.max_batch + b * self.max_blocks
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
+        if input_ids is not None:
+            self.staged[:S].copy_(input_ids)
         if self.copied is None:  # not captured (a CPU, in tests): the same static batch, run eagerly
             self._widen(b)
             return self.model.forward(self._batch(b), self.cache)[:S]

@@ -1,5 +1,11 @@
 """EngineCore: the step loop. `step()` is schedule -> execute -> update; everything else feeds it.
 
+Async decode (scheduler.async_decode, on by default on a GPU): execute is launch, draw, result. Between a
+decode step's draw (its tokens queued on the device) and its result (the host waits for them), the next
+decode step is launched on those tokens (Scheduler.schedule_next), so the device computes it while the host
+reads, detokenizes and streams the step before. The next step() then starts from that launched step. A
+request that ended meanwhile (stop string, EOS, abort) has its extra token dropped.
+
 Not thread safe: one thread (the AsyncEngine's loop thread, or a plain caller) drives it.
 """
 
@@ -13,7 +19,7 @@ import torch
 from vegaserve.engine.chat_template import ChatTemplate
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
-from vegaserve.engine.model_runner import ModelRunner, StepOutput
+from vegaserve.engine.model_runner import ModelRunner, StepInFlight, StepOutput
 from vegaserve.engine.distributed.worker import StepPlan
 from vegaserve.engine.env import torchrun_rank
 from vegaserve.engine.executor import plan_launch, start_executor
@@ -22,7 +28,7 @@ from vegaserve.engine.output_processor import OutputProcessor
 from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
-from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler
+from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Status
 from vegaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        async_decode = config.scheduler.async_decode
+        if async_decode is None:
+            async_decode = self.device.type != "cpu"
+        self.async_decode = async_decode and self.executor.takes_device_ids
+        self.in_flight: tuple[ScheduledBatch, StepInFlight] | None = None  # the step launched ahead
         self.model_name = config.model.served_model_name or self.gguf.path.name.removesuffix(".gguf")
         log.info(
             "loaded %s (%s, %d layers) on %s in %.1f s; context %d, %d sequence(s), KV cache %.0f MiB",
@@ -109,20 +120,36 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch.empty:
-            return []
-        result = self.runner.execute(batch)
-        return self.update(batch, result)
+        if self.in_flight is None:
+            batch = self.scheduler.schedule()
+            if batch.empty:
+                return []
+            launched = self.runner.launch(batch)
+        else:
+            (batch, launched), self.in_flight = self.in_flight, None
+        launched.draw()
+        self.in_flight = self._launch_next(batch, launched)
+        return self.update(batch, launched.result())
+
+    def _launch_next(self, batch: ScheduledBatch, launched: StepInFlight) -> tuple[ScheduledBatch, StepInFlight] | None:
+        """Async decode: the decode step after `batch`, launched on its drawn tokens (see the module doc)."""
+        if not self.async_decode or launched.tokens is None:
+            return None
+        nxt = self.scheduler.schedule_next(batch)
+        if nxt is None:
+            return None
+        return nxt, self.runner.launch(nxt, input_ids=launched.tokens)
 
     def update(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         for s, res in zip(batch.seqs, result.results, strict=True):
             r = s.request
+            if r.status is Status.FINISHED:  # ended (or aborted) while this step ran ahead of it
+                continue
             r.num_computed += len(s.tokens)
             self.scheduler.computed(r)
             if res.prompt_logprobs is not None:

@@ -269,10 +269,18 @@ class Executor:
     def cache(self):
         return self.worker.cache
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
+    @property
+    def takes_device_ids(self) -> bool:
+        """forward() accepts input ids already on the device (one process: nothing to broadcast them with)."""
+        return not self.distributed
+
+    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: one per sequence of a one-token-each plan, on the device, in place of the plan's."""
+        if input_ids is not None and not self.takes_device_ids:
+            raise ValueError("input ids on the device need a single-process executor")
         if self.distributed:
             self.worker.comm.broadcast_plan(plan)
-        out = self.worker.run(plan)
+        out = self.worker.run(plan, input_ids)
         assert out is not None  # rank 0 always gets the logits
         return out
 

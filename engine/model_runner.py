@@ -30,6 +30,9 @@ class StepOutput:
 
 
 class ModelRunner:
+    """execute(batch) = launch(batch).result(); the engine core may launch the next decode step between a
+    step's draw() and its result() (async decode)."""
+
     def __init__(self, executor: Executor, block_size: int) -> None:
         self.executor = executor
         self.block_size = block_size
@@ -40,37 +43,17 @@ class ModelRunner:
         """Rank 0's KV cache (with several devices: its share)."""
         return self.executor.cache
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> StepInFlight:
+        """Start the batch's forward pass; `input_ids` [seqs] on the device replace the batch's placeholder
+        tokens (async decode: the tokens the step before drew, not yet read by the host)."""
         # a request that wants prompt logprobs needs logits for every prompt row it computes
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
         plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.block_size)
-        logits = self.executor.forward(plan)
-        results: list[SeqResult] = []
-        last_rows: list[int] = []
-        row = 0
-        for s, every in zip(batch.seqs, wants_prompt, strict=True):
-            n_rows = len(s.tokens) if every else 1
-            res = SeqResult(token_id=None)
-            if every:
-                res.prompt_logprobs = self._prompt_logprobs(s, logits[row : row + n_rows])
-            results.append(res)
-            last_rows.append(row + n_rows - 1)
-            row += n_rows
-        sampling = [i for i, s in enumerate(batch.seqs) if s.samples]
-        if sampling:
-            reqs = [batch.seqs[i].request for i in sampling]
-            out = self.sampler.sample(
-                logits[[last_rows[i] for i in sampling]],
-                [r.params for r in reqs],
-                [r.prompt_ids for r in reqs],
-                [r.output_ids for r in reqs],
-                [r.generator for r in reqs],
-            )
-            for i, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
-                results[i].token_id = tok
-                results[i].logprob = lp
-        return StepOutput(results)
+        return StepInFlight(self, batch, wants_prompt, self.executor.forward(plan, input_ids))
 
     def _prompt_logprobs(self, s, logits: torch.Tensor) -> list[TokenLogprob | None]:
         prompt = s.request.prompt_ids
@@ -78,3 +61,60 @@ class ModelRunner:
         # logits row j predicts position start + j + 1; the sampler scores ids[1:] under rows [:-1]
         records = self.sampler.prompt_logprobs(logits, prompt[s.start : end + 1], s.request.params.prompt_logprobs or 0)
         return records if s.start == 0 else records[1:]
+
+
+class StepInFlight:
+    """A launched step: `draw()` queues the sampling on the device, reading the requests' penalties and
+    generators as they are at that moment; `tokens` is then the drawn ids [sampling seqs] on the device;
+    `result()` waits for them. The logits are the executor's buffer, valid until the next launch: draw()
+    keeps what result() reads for logprobs, but prompt logprobs are read in result(), so a batch with prompt
+    rows gets its result() before anything else is launched (it is no decode step: nothing follows it early)."""
+
+    def __init__(self, runner: ModelRunner, batch: ScheduledBatch, wants_prompt: list[bool], logits: torch.Tensor) -> None:
+        self.runner, self.batch, self.wants_prompt, self.logits = runner, batch, wants_prompt, logits
+        self.tokens: torch.Tensor | None = None
+        self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples]
+
+    def _sampling_rows(self) -> list[int]:
+        """The logits row of each sampling sequence: its last."""
+        last_rows, row = [], 0
+        for s, every in zip(self.batch.seqs, self.wants_prompt, strict=True):
+            row += len(s.tokens) if every else 1
+            last_rows.append(row - 1)
+        return [last_rows[i] for i in self.sampling]
+
+    @torch.inference_mode()
+    def draw(self) -> None:
+        if self.tokens is not None or not self.sampling:
+            return
+        reqs = [self.batch.seqs[i].request for i in self.sampling]
+        rows = self._sampling_rows()
+        if rows == list(range(self.logits.shape[0])):  # a decode step: every row, no index upload (no wait)
+            # logprobs are read in result(), maybe after the next launch has overwritten the buffer
+            asked = any(r.params.logprobs is not None for r in reqs)
+            self._rows = self.logits.clone() if asked else self.logits
+        else:
+            self._rows = self.logits[rows]
+        self.tokens = self.runner.sampler.draw(self._rows, [r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                               [r.output_ids for r in reqs], [r.generator for r in reqs])
+
+    @torch.inference_mode()
+    def result(self) -> StepOutput:
+        self.draw()
+        results: list[SeqResult] = []
+        row = 0
+        for s, every in zip(self.batch.seqs, self.wants_prompt, strict=True):
+            n_rows = len(s.tokens) if every else 1
+            res = SeqResult(token_id=None)
+            if every:
+                res.prompt_logprobs = self.runner._prompt_logprobs(s, self.logits[row : row + n_rows])
+            results.append(res)
+            row += n_rows
+        if self.sampling:
+            out = self.runner.sampler.collect(self._rows, self.tokens,
+                                              [self.batch.seqs[i].request.params for i in self.sampling])
+            for i, tok, lp in zip(self.sampling, out.token_ids, out.logprobs, strict=True):
+                results[i].token_id = tok
+                results[i].logprob = lp
+        return StepOutput(results)
+

@@ -60,6 +60,19 @@ class Sampler:
         A generator must live on `logits.device`; None draws from torch's default generator.
         `logits` itself is never modified.
         """
+        tokens = self.draw(logits, params, prompt_ids, output_ids, generators)
+        return self.collect(logits, tokens, params)
+
+    def draw(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> Tensor:
+        """The chosen token of every row, int64 [B] on the logits' device, without waiting for it (a top-p
+        or min-p row may still wait once, to see whether its candidates suffice)."""
         batch = logits.shape[0]
         if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
             raise ValueError(
@@ -82,6 +95,11 @@ class Sampler:
                 adjusted[rows], [params[i] for i in drawn], [generators[i] for i in drawn]
             )
 
+        return tokens
+
+    def collect(self, logits: Tensor, tokens: Tensor, params: list[SamplingParams]) -> SampleResult:
+        """The drawn tokens on the host, with the logprobs of the rows that asked (read from `logits`)."""
+        batch = logits.shape[0]
         token_ids: list[int] = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * batch
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]

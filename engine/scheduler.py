@@ -78,13 +78,9 @@ class Request:
 class ScheduledSeq:
     request: Request
     start: int  # = request.num_computed at schedule time
-    tokens: list[int]  # the tokens computed this step
+    tokens: list[int]  # the tokens computed this step (schedule_next: a placeholder, the ids are on the device)
     block_ids: list[int]  # KV blocks of positions 0 .. start + len(tokens) - 1, in order
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's known tokens: a new token is sampled."""
-        return self.start + len(self.tokens) == self.request.num_tokens
+    samples: bool  # the step reaches the end of the request's known tokens: a new token is sampled
 
 
 @dataclass(frozen=True)
@@ -130,8 +126,35 @@ class Scheduler:
             if not self._grow(req, n):
                 continue
             start = req.num_computed
-            seqs.append(ScheduledSeq(req, start, req.token_slice(start, n), req.table.blocks_of(start + n)))
+            seqs.append(ScheduledSeq(req, start, req.token_slice(start, n), req.table.blocks_of(start + n),
+                                     samples=start + n == req.num_tokens))
             budget -= n
+        return ScheduledBatch(seqs)
+
+    def schedule_next(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch` while batch's sampled tokens are still on the device (async decode,
+        engine_core.py): the same requests, one token each, one position further. None unless that is
+        the step schedule() would give once batch is done: nobody waiting, every running request in batch
+        decoding one token, none reaching its token limit with batch's token, and a KV slot free for each
+        next position (no preemption here). A request that ends on a stop string or EOS cannot be foreseen:
+        its token of the next step is computed and dropped."""
+        if self.waiting or len(batch.seqs) != len(self.running):
+            return None
+        for s in batch.seqs:
+            r = s.request
+            if r.status is not Status.RUNNING or len(s.tokens) != 1 or not s.samples:
+                return None
+            if len(r.output_ids) + 1 >= r.max_new_tokens:  # batch's token is its last
+                return None
+        seqs = []
+        for s in batch.seqs:
+            r, start = s.request, s.start + 1
+            try:
+                if start + 1 > r.table.num_slots:
+                    r.table.append_slots(start + 1 - r.table.num_slots)
+            except NoFreeBlocks:
+                return None  # slots already added stay in the tables; schedule() counts them
+            seqs.append(ScheduledSeq(r, start, [0], r.table.blocks_of(start + 1), samples=True))
         return ScheduledBatch(seqs)
 
     def _admit(self) -> None:

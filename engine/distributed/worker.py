@@ -87,16 +87,19 @@ class StageWorker:
         self.vocab = cfg.vocab_size
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere."""
+    def run(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere.
+        input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
-            return self.graphs.run(plan.seqs)
+            return self.graphs.run(plan.seqs, input_ids)
         comm, model = self.comm, self.model
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
             fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging)
+            if input_ids is not None:
+                fb.input_ids = input_ids
             if comm.is_first_stage:
                 h = model.embed_tokens(fb)
             else:

@@ -65,7 +65,11 @@ def test_static_decode_batch_equals_the_eager_step(core: EngineCore, lengths: li
             mine[:, : cache.num_slots] = theirs
             mine[:, cache.num_slots :] = float("nan")
         graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, BLOCK, torch.device("cpu"))
-        static = graphs.run(plan.seqs)
+        static = graphs.run(plan.seqs).clone()
+        # the same step with its tokens given on the device (async decode) over placeholder ids: the same
+        # logits (it rewrites the same k/v into the same slots)
+        ahead = graphs.run([(b, n, [0]) for b, n, _ in plan.seqs], input_ids=torch.tensor(nxt))
+        assert torch.equal(ahead, static)
         eager = worker.run(plan)
         assert static.shape == eager.shape == (len(lengths), vocab)
         assert rel(static, eager) < 1e-4
@@ -96,7 +100,7 @@ def test_only_one_token_decode_steps_fit(core: EngineCore) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU")
 def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path) -> None:
     """Captured graphs against the same engine with its graphs set aside: logits of a padded decode step,
-    then 16 greedy tokens of three concurrent streams."""
+    then 16 greedy tokens of three concurrent streams, with async decode (the default here) and without."""
     path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
     cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
            "scheduler": {"max_num_seqs": 4}, "device": "cuda"}
@@ -131,4 +135,7 @@ def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path)
         core.pool.free(b)
     eager_tokens = greedy(prompts)
     worker.graphs = graphs
+    assert core.async_decode  # the default on a GPU: the replays above ran on device-side tokens
+    assert greedy(prompts) == eager_tokens
+    core.async_decode = False
     assert greedy(prompts) == eager_tokens
