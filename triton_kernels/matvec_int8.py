@@ -20,7 +20,7 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
-matmul.reference_matmul in float64); `quantize_q8_1` matches gguf's Q8_0 quantizer element for element.
+matmul.reference_matmul in float64). The activation's q8_1 form: q8_1.py (here as `quantize_q8_1` too).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
+from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
 from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
@@ -115,43 +116,6 @@ def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr):
     idx_hi = (idx >> 16) & 0xFFFF
     x1 = prmt(prmt(t0, t1, idx_hi, DOT), prmt(t2, t3, idx_hi, DOT), (sel >> 16) & 0xFFFF, DOT)
     return prmt(x0, x1, 0x6420, DOT), prmt(x0, x1, 0x7531, DOT)
-
-
-@triton.jit
-def _quantize_q8_1_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, stride_xm, BLOCKS: tl.constexpr,
-                          PDL: tl.constexpr):
-    """Row program_id(0), BLOCKS blocks of 32 from program_id(1) * BLOCKS: as ggml's quantize_row_q8_1
-    and gguf's Q8_0 quantizer (d = amax / 127, q = round half away from zero of x / d)."""
-    pdl.let_next_start(PDL)
-    pdl.wait_for_inputs(PDL)
-    m = tl.program_id(0)
-    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    e = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    live = b < n_blocks
-    x = tl.load(x_ptr + m * stride_xm + e, mask=live[:, None], other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), axis=1) / 127.0
-    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
-    v = x * inv[:, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    tl.store(q_ptr + m * n_blocks * 32 + e, q.to(tl.int8), mask=live[:, None])
-    tl.store(d_ptr + m * n_blocks + b, d, mask=live)
-    tl.store(s_ptr + m * n_blocks + b, d * tl.sum(q, axis=1), mask=live)
-
-
-def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (int8 [M, K], scale f32 [M, K / 32], scale * sum f32 [M, K / 32])."""
-    M, K = x.shape
-    if K % 32:
-        raise ValueError(f"q8_1 quantizes blocks of 32; K={K}")
-    x = x.contiguous()
-    n_blocks = K // 32
-    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
-    d = torch.empty(M, n_blocks, dtype=torch.float32, device=x.device)
-    s = torch.empty_like(d)
-    blocks = 32
-    _quantize_q8_1_kernel[(M, triton.cdiv(n_blocks, blocks))](
-        x, q, d, s, n_blocks, x.stride(0), BLOCKS=blocks, **pdl.launch_args(x.device))
-    return q, d, s
 
 
 def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> torch.Tensor:
