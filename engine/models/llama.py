@@ -29,7 +29,7 @@ from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
-from vegaserve.engine.layers.norm import RMSNorm, silu_mul_q8_1
+from vegaserve.engine.layers.norm import RMSNorm, silu_mul
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         T = h.shape[0]
-        qkv = self.qkv(*self.attn_norm.forward_q8_1(h, self.qkv.wants_q8_1(T)))
+        qkv = self.qkv(self.attn_norm(h))
         q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
@@ -106,9 +106,8 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
             q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
-        h, *x = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))),
-                                          self.gate_up.wants_q8_1(T))
-        return h + self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(*x), self.down.wants_q8_1(T))))
+        h, x = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))))
+        return h + self.comm.all_reduce(self.down(silu_mul(self.gate_up(x))))
 
 
 class LlamaModel(nn.Module):
