@@ -74,6 +74,7 @@ class StepInFlight:
         self.runner, self.batch, self.wants_prompt, self.logits = runner, batch, wants_prompt, logits
         self.tokens: torch.Tensor | None = None
         self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples]
+        self._rows: torch.Tensor | None = None  # the sampling rows' logits, kept by draw() for result()
 
     def _sampling_rows(self) -> list[int]:
         """The logits row of each sampling sequence: its last."""

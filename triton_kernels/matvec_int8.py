@@ -173,39 +173,19 @@ def _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-               NB: tl.constexpr, DOT: tl.constexpr):
+def _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NB: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr):
+    """Q4_0 (TABLE 0: the unsigned nibble, 8 taken off through the activation sums), IQ4_NL and MXFP4 (the
+    nibble's level from TABLE)."""
     d, q, _ = tile
     words = split4(q)  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high)
     lo = ()
     hi = ()
     for i in tl.static_range(4):
-        lo = lo + (words[i] & 0x0F0F0F0F,)
-        hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
-    new = ()
-    for m in tl.static_range(M):
-        xrow = xq_ptr + m * (K // 4)
-        xl = _x_words(xrow, xw, 0)
-        xh = _x_words(xrow, xw, 4)
-        s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
-        for i in tl.static_range(4):
-            s = dot4(lo[i], xl[i], s, DOT)
-            s = dot4(hi[i], xh[i], s, DOT)
-        dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
-        sx = tl.load(sx_ptr + m * (K // 32) + xb)[None, :]
-        new = new + (acc[m] + d * (s.to(tl.float32) * dx - 8.0 * sx),)
-    return new
-
-
-@triton.jit
-def _table_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                TABLE: tl.constexpr, DOT: tl.constexpr):
-    d, q, _ = tile
-    words = split4(q)  # byte t of word i: element 4i + t (low nibble), 4i + t + 16 (high), as Q4_0
-    lo = ()
-    hi = ()
-    for i in tl.static_range(4):
-        v_lo, v_hi = lookup16(words[i], TABLE, DOT)
+        if TABLE == 0:
+            v_lo, v_hi = words[i] & 0x0F0F0F0F, (words[i] >> 4) & 0x0F0F0F0F
+        else:
+            v_lo, v_hi = lookup16(words[i], TABLE, DOT)
         lo = lo + (v_lo,)
         hi = hi + (v_hi,)
     new = ()
@@ -218,7 +198,11 @@ def _table_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: 
             s = dot4(lo[i], xl[i], s, DOT)
             s = dot4(hi[i], xh[i], s, DOT)
         dx = tl.load(dx_ptr + m * (K // 32) + xb)[None, :]
-        new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
+        if TABLE == 0:
+            sx = tl.load(sx_ptr + m * (K // 32) + xb)[None, :]
+            new = new + (acc[m] + d * (s.to(tl.float32) * dx - 8.0 * sx),)
+        else:
+            new = new + (acc[m] + s.to(tl.float32) * (d * dx),)
     return new
 
 
@@ -250,10 +234,8 @@ def _legacy_kernel(
         dp += _advance(more, NB * b0, CARRY)
         if WORDS == 8:
             acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
-        elif TABLE == 0:
-            acc = _q4_0_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
         else:
-            acc = _table_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
+            acc = _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
         if CARRY:
             tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
