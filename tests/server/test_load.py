@@ -1,6 +1,7 @@
 """200 concurrent streaming clients against the real engine (SmolLM2 on the CPU, 8 slots), a third of them
-hanging up after their first chunk: the others get exactly the text their prompt gives alone, and
-afterwards the engine holds nothing and the process has given back the memory the load took."""
+hanging up after their first chunk, with and without async decode: the others get exactly the text their
+prompt gives alone, and afterwards the engine holds nothing and the process has given back the memory the
+load took."""
 
 from __future__ import annotations
 
@@ -87,7 +88,16 @@ def with_loop_on_main_thread(engine: AsyncEngine, work: Callable[[], T]) -> T:
     return outcome[0]
 
 
-def test_200_streams_with_a_third_hanging_up_get_their_solo_text_and_leave_nothing_behind(core8, serve, monkeypatch):
+@pytest.mark.parametrize("async_decode", [False, True], ids=["sync", "async-decode"])
+def test_200_streams_with_a_third_hanging_up_get_their_solo_text_and_leave_nothing_behind(core8, serve, monkeypatch,
+                                                                                         async_decode):
+    """With async decode too (off by default on a CPU, forced here): steps launched ahead while clients
+    arrive, finish and hang up."""
+    monkeypatch.setattr(core8, "async_decode", async_decode)
+    ahead = []
+    launch = core8.runner.launch
+    monkeypatch.setattr(core8.runner, "launch", lambda batch, input_ids=None: ahead.append(input_ids is not None)
+                        or launch(batch, input_ids))
     aborted: list[str] = []
     abort = core8.abort
 
@@ -136,13 +146,15 @@ def test_200_streams_with_a_third_hanging_up_get_their_solo_text_and_leave_nothi
     # Nothing held: no request in the core or its scheduler, every KV slot free, no output queue left.
     assert core8.requests == {}
     assert (core8.scheduler.running, list(core8.scheduler.waiting)) == ([], [])
-    assert core8.pool.num_referenced == 0 and core8.pool.num_free == core8.pool.num_blocks
+    assert core8.pool.num_referenced == 0 and core8.pool.num_free == core8.pool.num_blocks and core8.in_flight is None
     assert engine._queues == {}
+    assert sum(ahead) > 0 if async_decode else not any(ahead)  # steps did run ahead (when the queue was empty)
     # Most hang-ups reached the engine before their request ended by itself (8 tokens is short).
     assert len(aborted) >= len(hung_up) // 2, (len(aborted), len(hung_up))
 
     gc.collect()
     rss_after = rss_bytes()
-    print(f"\n{N_CLIENTS} streams ({len(hung_up)} hung up, {len(aborted)} aborted in the engine) in {elapsed:.1f} s; "
+    print(f"\n{N_CLIENTS} streams ({len(hung_up)} hung up, {len(aborted)} aborted in the engine, {sum(ahead)} of "
+          f"{len(ahead)} steps launched ahead) in {elapsed:.1f} s; "
           f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     assert abs(rss_after - rss_before) <= 0.10 * rss_before
