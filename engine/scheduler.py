@@ -134,11 +134,12 @@ class Scheduler:
     def schedule_next(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch` while batch's sampled tokens are still on the device (async decode,
         engine_core.py): the same requests, one token each, one position further. None unless that is
-        the step schedule() would give once batch is done: nobody waiting, every running request in batch
-        decoding one token, none reaching its token limit with batch's token, and a KV slot free for each
-        next position (no preemption here). A request that ends on a stop string or EOS cannot be foreseen:
-        its token of the next step is computed and dropped."""
-        if self.waiting or len(batch.seqs) != len(self.running):
+        the step schedule() would give once batch is done: nobody waiting who could be admitted (every
+        sequence slot taken, or nobody waiting), every running request in batch decoding one token, none
+        reaching its token limit with batch's token, and a KV slot free for each next position (no
+        preemption here). A request that ends on a stop string or EOS cannot be foreseen: its token of the
+        next step is computed and dropped, and a request waiting for its slot is admitted a step later."""
+        if (self.waiting and len(self.running) < self.max_num_seqs) or len(batch.seqs) != len(self.running):
             return None
         for s in batch.seqs:
             r = s.request

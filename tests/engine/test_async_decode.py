@@ -72,6 +72,29 @@ def test_async_decode_gives_the_same_outputs_as_waiting_for_each_step(core):
     assert core.pool.num_free == core.pool.num_blocks and not core.requests and core.in_flight is None
 
 
+def test_steps_run_ahead_while_a_request_waits_for_a_sequence_slot(core):
+    """Five requests on four slots: the fifth waits until the shortest ends; meanwhile the running four
+    still run ahead (the queue cannot be admitted anyway), and every output is the one without."""
+    reqs = _requests(core) + [GenerateRequest(_prompt(core, "Water boils at"),
+                                              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    assert len(reqs) > core.scheduler.max_num_seqs
+    sync, _ = _run(core, reqs, False)
+    waiting_ahead = []
+    launch = core.runner.launch
+
+    def watching(batch, input_ids=None):
+        if input_ids is not None and core.scheduler.waiting:
+            waiting_ahead.append(len(batch.seqs))
+        return launch(batch, input_ids)
+
+    core.runner.launch = watching
+    try:
+        async_, ahead = _run(core, reqs, True)
+    finally:
+        core.runner.launch = launch
+    assert async_ == sync and ahead > 20 and len(waiting_ahead) >= 5
+
+
 def test_penalties_and_seeded_draws_see_every_earlier_token(core):
     """A step launched ahead is sampled only after the step before was processed: penalties count its
     token, and a seeded request draws the same numbers in the same order."""
