@@ -55,13 +55,6 @@ class ModelRunner:
         plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.block_size)
         return StepInFlight(self, batch, wants_prompt, self.executor.forward(plan, input_ids))
 
-    def _prompt_logprobs(self, s, logits: torch.Tensor) -> list[TokenLogprob | None]:
-        prompt = s.request.prompt_ids
-        end = min(s.start + len(s.tokens), len(prompt))
-        # logits row j predicts position start + j + 1; the sampler scores ids[1:] under rows [:-1]
-        records = self.sampler.prompt_logprobs(logits, prompt[s.start : end + 1], s.request.params.prompt_logprobs or 0)
-        return records if s.start == 0 else records[1:]
-
 
 class StepInFlight:
     """A launched step: `draw()` queues the sampling on the device, reading the requests' penalties and
@@ -108,7 +101,7 @@ class StepInFlight:
             n_rows = len(s.tokens) if every else 1
             res = SeqResult(token_id=None)
             if every:
-                res.prompt_logprobs = self.runner._prompt_logprobs(s, self.logits[row : row + n_rows])
+                res.prompt_logprobs = self._prompt_logprobs(s, self.logits[row : row + n_rows])
             results.append(res)
             row += n_rows
         if self.sampling:
@@ -119,3 +112,10 @@ class StepInFlight:
                 results[i].logprob = lp
         return StepOutput(results)
 
+    def _prompt_logprobs(self, s, logits: torch.Tensor) -> list[TokenLogprob | None]:
+        prompt = s.request.prompt_ids
+        end = min(s.start + len(s.tokens), len(prompt))
+        # logits row j predicts position start + j + 1; the sampler scores ids[1:] under rows [:-1]
+        records = self.runner.sampler.prompt_logprobs(logits, prompt[s.start : end + 1],
+                                                      s.request.params.prompt_logprobs or 0)
+        return records if s.start == 0 else records[1:]
