@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill
 
@@ -38,8 +39,10 @@ def _to_cache(x, cache_ptr):
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch, KV, D,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Token program_id(0): its k and v rows [KV, D] to their cache slot, in the caches' type."""
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -65,7 +68,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
         _write_kv_kernel[(T,)](
             k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), KV, D,
-            BLOCK_H=triton.next_power_of_2(KV), BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_H=triton.next_power_of_2(KV), BLOCK_D=triton.next_power_of_2(D), **pdl.launch_args(k.device),
         )
 
 

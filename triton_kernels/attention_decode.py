@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
     attend_tile,
@@ -40,8 +41,10 @@ def _decode_split_kernel(
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    DOT_F32: tl.constexpr, SINGLE: tl.constexpr,
+    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)  # q, the cache and the step's lengths and tables: all written before it
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -85,8 +88,10 @@ def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
     num_partitions,  # sizes
     stride_os, stride_oh,  # strides
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,  # meta
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,  # meta
 ):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
@@ -153,12 +158,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, **opts,
+        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, **opts, **pdl.launch_args(q.device),
     )
     if not single:
         _decode_combine_kernel[(S, H)](
             part_o, part_lse, out, n_part, out.stride(0), out.stride(1),
             HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d,
+            **pdl.launch_args(q.device),
         )
     return out
 

@@ -61,6 +61,7 @@ class DecoderLayer(nn.Module):
         self.split = [q_size, kv_size, kv_size]
         self.full_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]  # before slicing
         self.hidden, self.full_ffn = cfg.hidden_size, cfg.intermediate_size
+        self.prefetch = None  # the weights' L2 prefetch on an NVIDIA GPU (triton_kernels/prefetch.py)
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
@@ -91,10 +92,24 @@ class DecoderLayer(nn.Module):
             [slice_rows(w.source(p + f"ffn_{n}.weight", up_shape), *f) for n in ("gate", "up")], w.device
         )
         self.down.load([slice_cols(w.source(p + "ffn_down.weight", (hidden, self.full_ffn)), *f)], w.device)
+        planes = [pw.data for lin in (self.qkv, self.o_proj, self.gate_up, self.down) for pw in lin.packed]
+        if planes and w.device.type == "cuda":
+            from vegaserve.triton_kernels.prefetch import LayerPrefetch
 
-    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+            self.prefetch = LayerPrefetch(planes)  # in the order forward reads them
+
+    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta): the residual stream after attention and the MLP's output, not yet added to it. The
+        layer before leaves its own delta the same way: its add and this layer's norm are one launch."""
         T = h.shape[0]
-        qkv = self.qkv(self.attn_norm(h))
+        if self.prefetch is not None and T <= 8:  # decode: the mat-vecs read what the memory streams ahead
+            self.prefetch.launch()
+        if delta is None:
+            x = self.attn_norm(h)
+        else:
+            h, x = self.attn_norm.add_forward(h, delta)
+        qkv = self.qkv(x)
         q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
@@ -107,7 +122,7 @@ class DecoderLayer(nn.Module):
             q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
         h, x = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))))
-        return h + self.comm.all_reduce(self.down(silu_mul(self.gate_up(x))))
+        return h, self.comm.all_reduce(self.down(silu_mul(self.gate_up(x))))
 
 
 class LlamaModel(nn.Module):
@@ -172,9 +187,10 @@ class LlamaModel(nn.Module):
         return self.comm.all_reduce(h * owned[:, None])
 
     def run_layers(self, h: torch.Tensor, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        delta = None
         for layer in self.layers:
-            h = layer(h, self.rope, cache, batch)
-        return h
+            h, delta = layer(h, self.rope, cache, batch, delta)
+        return h if delta is None else h + delta
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Last stage: logits [len(batch.logits_rows), vocab] in f32, gathered over the lanes."""
