@@ -8,7 +8,7 @@ token to the end. Also pp (one --pp-token prompt, time to its first token) and, 
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
 
     python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3]
-                                      [--l2-prefetch 0,24,48]
+                                      [--l2-prefetch 0,24,24:loads]
 
 Prints a table and one JSON line.
 """
@@ -117,7 +117,7 @@ def main() -> None:
                          "(device time) to this file")
     ap.add_argument("--l2-prefetch", default=None,
                     help="comma-separated MiB budgets of the layers' L2 weight prefetch to time in graph mode, "
-                         "recapturing the graphs for each (default: the config's, VEGASERVE_L2_PREFETCH_MIB)")
+                         "each MiB[:mode] (prefetch.MODES), recapturing the graphs for each (default: the config's, VEGASERVE_L2_PREFETCH_MIB)")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16
@@ -140,7 +140,7 @@ def main() -> None:
         same = sum(a == b for a, b in zip(replayed, eager, strict=True))
         result["greedy_identical_streams"] = same
         rows.append(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
-    budgets = [int(b) for b in args.l2_prefetch.split(",")] if args.l2_prefetch else [None]
+    budgets = args.l2_prefetch.split(",") if args.l2_prefetch else [None]
     for mode in args.modes.split(","):
         worker.graphs = graphs if mode == "graphs" else None
         if mode == "graphs" and graphs is None:
@@ -150,9 +150,10 @@ def main() -> None:
             if budget is not None:  # the launches are in the graphs: capture them again with this budget
                 from vegaserve.triton_kernels import prefetch
 
-                prefetch.set_budget(budget)
+                mib, _, how = budget.partition(":")
+                prefetch.set_budget(int(mib), how or None)
                 graphs.capture()
-                label = f"{mode}, L2 prefetch {budget} MiB"
+                label = f"{mode}, L2 prefetch {mib} MiB {how}".rstrip()
             for n in streams:
                 rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
                 med = statistics.median(rates)

@@ -30,14 +30,22 @@ from vegaserve.triton_kernels import pdl
 LINE = 128  # bytes a prefetch asks for: one L2 line
 _BLOCK = 256  # lines per program and iteration
 _budget = 0  # bytes a layer prefetches; set_budget
+# how the lines are asked for (MODE): prefetch.global.L2 of each line's address, the same of each 32-byte
+# sector, the sectors loaded through L2 (.cg) and dropped, Hopper's bulk prefetch of each line
+PREFETCH_LINE, PREFETCH_SECTORS, LOAD_SECTORS, BULK_LINE = 0, 1, 2, 3
+MODES = {"line": PREFETCH_LINE, "sectors": PREFETCH_SECTORS, "loads": LOAD_SECTORS, "bulk": BULK_LINE}
+_mode = PREFETCH_LINE
 
 
-def set_budget(mib: int) -> None:
-    """Bytes of each layer's weights to prefetch, in MiB (0: none)."""
-    global _budget
+def set_budget(mib: int, mode: str | None = None) -> None:
+    """Bytes of each layer's weights to prefetch, in MiB (0: none), and how (MODES; unchanged if None)."""
+    global _budget, _mode
     if mib < 0:
         raise ValueError(f"l2 prefetch budget must be >= 0 MiB, got {mib}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"l2 prefetch mode {mode!r}: one of {', '.join(MODES)}")
     _budget = mib << 20
+    _mode = MODES[mode] if mode is not None else _mode
 
 
 def budget() -> int:
@@ -57,20 +65,27 @@ def _ampere_or_later(index: int) -> bool:
 
 
 @triton.jit
-def _prefetch_line(addr):
-    """Ask L2 for the line at each address (the result is a dummy: inline asm must return a value)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch(addr, BULK: tl.constexpr):
+    """Ask L2 for the line (BULK: the LINE bytes) at each address; the result is a dummy (inline asm must
+    return a value)."""
+    if BULK:
+        return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 128;\n\tmov.u32 $0, 0;", "=r,l",
+                                         [addr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _l2_prefetch_kernel(table_ptr, hits_ptr, n_ranges, LINE_BYTES: tl.constexpr, BLOCK: tl.constexpr,
-                        RECORD: tl.constexpr, PDL: tl.constexpr):
+                        RECORD: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):
     """table [n_ranges, 3] int64: (address, lines, index of its first line among all). The programs take
     BLOCK lines each in turn over every range; RECORD counts each line in hits instead of fetching it."""
     pdl.let_next_start(PDL)
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
+    sector = tl.arange(0, 4) * (LINE_BYTES // 4)
+    seen = tl.zeros([BLOCK, 4], tl.int32)
     for r in range(n_ranges):
         base = tl.load(table_ptr + 3 * r)
         n = tl.load(table_ptr + 3 * r + 1)
@@ -79,8 +94,15 @@ def _l2_prefetch_kernel(table_ptr, hits_ptr, n_ranges, LINE_BYTES: tl.constexpr,
             line = tl.minimum(start + lanes, n - 1)  # the last line again in the last block's spare lanes
             if RECORD:
                 tl.atomic_add(hits_ptr + first + line, 1)
+            elif MODE == 0 or MODE == 3:
+                _prefetch(base + line * LINE_BYTES, MODE == 3)
+            elif MODE == 1:
+                _prefetch(base + line[:, None] * LINE_BYTES + sector[None, :], False)
             else:
-                _prefetch_line(base + line * LINE_BYTES)
+                words = (base + line[:, None] * LINE_BYTES + sector[None, :]).to(tl.pointer_type(tl.int32))
+                seen ^= tl.load(words, cache_modifier=".cg")
+    if MODE == 2 and not RECORD:  # the loads' values must look used; no table holds this address
+        tl.store(hits_ptr + lanes[:, None] * 4 + tl.arange(0, 4)[None, :], seen, mask=seen == 0x5EED5EED)
     if pid == 0:
         pdl.wait_for_inputs(PDL)  # the kernels after this one wait for it, so it waits for the one before
 
@@ -107,6 +129,7 @@ class LayerPrefetch:
         self.tensors = list(tensors)
         self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self._tables: dict[int, torch.Tensor] = {}  # budget -> table on the device (graphs keep its address)
+        self._sink = torch.empty(_BLOCK * 4, dtype=torch.int32, device=self.device)  # MODE 2's stores go here
 
     def table(self, limit: int) -> torch.Tensor:
         if limit not in self._tables:
@@ -114,16 +137,19 @@ class LayerPrefetch:
             self._tables[limit] = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64, device=self.device)
         return self._tables[limit]
 
-    def launch(self, limit: int | None = None, hits: torch.Tensor | None = None) -> None:
+    def launch(self, limit: int | None = None, hits: torch.Tensor | None = None, mode: int | None = None) -> None:
         """Prefetch (or with `hits`, count into hits[line]) the first `limit` bytes (default: budget())."""
         limit = budget() if limit is None else limit
+        mode = _mode if mode is None else mode
         if limit <= 0 or not self.tensors or (hits is None and not enabled(self.device)):
             return
         table = self.table(limit)
         programs = _programs(self.device)
-        launch = pdl.launch_args(self.device) if hits is None else {"PDL": False}
-        _l2_prefetch_kernel[(programs,)](table, table if hits is None else hits, table.shape[0], LINE_BYTES=LINE,
-                                         BLOCK=_BLOCK, RECORD=hits is not None, num_warps=4, **launch)
+        launch = {"PDL": False} if hits is not None else pdl.launch_args(self.device)
+        record = hits is not None
+        hits = self._sink if hits is None else hits
+        _l2_prefetch_kernel[(programs,)](table, hits, table.shape[0], LINE_BYTES=LINE,
+                                         BLOCK=_BLOCK, RECORD=record, MODE=mode, num_warps=4, **launch)
 
 
 @functools.cache

@@ -12,10 +12,13 @@ from vegaserve.triton_kernels import prefetch
 from vegaserve.triton_kernels.prefetch import LINE, LayerPrefetch, plan_ranges
 
 
-def tensors() -> list[torch.Tensor]:
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU, the kernel itself on a GPU
+
+
+def tensors(device: str = "cpu") -> list[torch.Tensor]:
     # odd sizes: partial last lines; the middle one long enough for several rounds of every program
-    return [torch.zeros(1000, dtype=torch.uint8), torch.zeros(100_003, dtype=torch.int32),
-            torch.zeros(5000, dtype=torch.uint8)]
+    return [torch.zeros(1000, dtype=torch.uint8, device=device), torch.zeros(100_003, dtype=torch.int32, device=device),
+            torch.zeros(5000, dtype=torch.uint8, device=device)]
 
 
 def whole_lines(ts: list[torch.Tensor]) -> int:
@@ -47,9 +50,9 @@ def test_plan_takes_the_first_bytes_in_order_in_whole_lines(limit: int):
 
 @pytest.mark.parametrize("limit", [LINE, 3000, 300_000, 10**9])
 def test_the_kernel_walks_every_planned_line_and_no_other(limit: int):
-    ts = tensors()
+    ts = tensors(DEV)
     total = sum(n for _, n, _ in plan_ranges(ts, limit))
-    hits = torch.zeros(total + 64, dtype=torch.int32)  # room past the end: a stray line would show there
+    hits = torch.zeros(total + 64, dtype=torch.int32, device=DEV)  # room past the end: a stray line would show there
     LayerPrefetch(ts).launch(limit, hits=hits)
     assert (hits[:total] >= 1).all(), f"lines never fetched: {(hits[:total] == 0).nonzero().flatten()[:8].tolist()}"
     assert (hits[total:] == 0).all()
