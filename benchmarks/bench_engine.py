@@ -8,7 +8,6 @@ token to the end. Also pp (one --pp-token prompt, time to its first token) and, 
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
 
     python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3]
-                                      [--l2-prefetch 0,24,24:loads]
 
 Prints a table and one JSON line.
 """
@@ -115,9 +114,6 @@ def main() -> None:
     ap.add_argument("--host-table", default=None,
                     help="write the profiled graph-mode step's top host ops (self CPU time) and kernels "
                          "(device time) to this file")
-    ap.add_argument("--l2-prefetch", default=None,
-                    help="comma-separated MiB budgets of the layers' L2 weight prefetch to time in graph mode, "
-                         "each MiB[:mode] (prefetch.MODES), recapturing the graphs for each (default: the config's, VEGASERVE_L2_PREFETCH_MIB)")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16
@@ -140,29 +136,18 @@ def main() -> None:
         same = sum(a == b for a, b in zip(replayed, eager, strict=True))
         result["greedy_identical_streams"] = same
         rows.append(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
-    budgets = args.l2_prefetch.split(",") if args.l2_prefetch else [None]
     for mode in args.modes.split(","):
         worker.graphs = graphs if mode == "graphs" else None
         if mode == "graphs" and graphs is None:
             continue
-        for budget in budgets if mode == "graphs" else [None]:
-            label = mode
-            if budget is not None:  # the launches are in the graphs: capture them again with this budget
-                from vegaserve.triton_kernels import prefetch
-
-                mib, _, how = budget.partition(":")
-                prefetch.set_budget(int(mib), how or None)
-                graphs.capture()
-                label = f"{mode}, L2 prefetch {mib} MiB {how}".rstrip()
-            for n in streams:
-                rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
-                med = statistics.median(rates)
-                result[f"tg{args.gen}_{label}_x{n}"] = med
-                rows.append((f"tg{args.gen} x{n} streams", label, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
-            if args.profile_steps:
-                ms, outside = step_profile(core, args.profile_steps, g, args.host_table if mode == "graphs" else None)
-                result[f"step_ms_{label}"], result[f"outside_kernels_{label}"] = ms, outside
-                rows.append(("decode step, 1 stream", label, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
+        for n in streams:
+            rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
+            med = statistics.median(rates)
+            result[f"tg{args.gen}_{mode}_x{n}"] = med
+            rows.append((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
+        ms, outside = step_profile(core, args.profile_steps, g, args.host_table if mode == "graphs" else None)
+        result[f"step_ms_{mode}"], result[f"outside_kernels_{mode}"] = ms, outside
+        rows.append(("decode step, 1 stream", mode, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
     worker.graphs = graphs
     if args.pp:
         pps = [args.pp / _timed_request(core, args.pp, 1, g)[0] for _ in range(args.runs + 1)][1:]

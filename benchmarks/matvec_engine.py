@@ -1,7 +1,8 @@
 """The engine's int8 decode mat-vec as it runs: matvec_int8 with the tuning file's launch parameters (what a
 linear layer picks), graph-replay timed on rotating weight copies, per type and shape of a model, with the
-q8_1 quantize beside it, and the same calls on one copy (in L2 where it fits). No sweep, so it is quick, and it runs against whichever vegaserve is importable:
-the same script times two trees in one call (PYTHONPATH), a change against its baseline.
+q8_1 quantize beside it, and the same calls on one copy (in L2 where it fits: how fast the kernel is when
+memory is not what holds it back). No sweep, so it is quick, and it runs against whichever vegaserve is
+importable: the same script times two trees in one call (PYTHONPATH), a change against its baseline.
 
     python benchmarks/matvec_engine.py [--shapes Q4_K:28672x4096,...] [--ms 1,8] [--label NAME] [--json out.json]
 

@@ -97,14 +97,10 @@ class KernelConfig:
     token_graph: bool = True  # GGML_META_TOKEN_GRAPH
     q8_1_cache: bool = True  # GGML_CUDA_Q8_1_CACHE
     pdl: bool = True  # VEGASERVE_PDL: programmatic dependent launch of the decode kernels (sm_90+)
-    l2_prefetch_mib: int = 0  # VEGASERVE_L2_PREFETCH_MIB: each decode layer's first MiB of weights into L2 (sm_80+)
     bf16_compute: bool = False  # GGML_CUDA_CUBLAS_COMPUTE_TYPE=bf16
     shexp_split: bool = True  # LLAMA_SHEXP_SPLIT
     ple_shard: bool = False  # LLAMA_PLE_SHARD
     tuning_file: str | None = None
-
-    def __post_init__(self) -> None:
-        _require(self.l2_prefetch_mib >= 0, f"L2 prefetch must be >= 0 MiB, got {self.l2_prefetch_mib}")
 
 
 @dataclass(frozen=True)

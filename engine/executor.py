@@ -184,10 +184,9 @@ def make_worker(launch: Launch, model, comm, device: torch.device) -> StageWorke
     cfg = launch.config
     bs = cfg.cache.block_size
     if device.type == "cuda":
-        from vegaserve.triton_kernels import pdl, prefetch
+        from vegaserve.triton_kernels import pdl
 
         pdl.set_enabled(cfg.kernels.pdl)
-        prefetch.set_budget(cfg.kernels.l2_prefetch_mib)
     graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)

@@ -61,7 +61,6 @@ class DecoderLayer(nn.Module):
         self.split = [q_size, kv_size, kv_size]
         self.full_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]  # before slicing
         self.hidden, self.full_ffn = cfg.hidden_size, cfg.intermediate_size
-        self.prefetch = None  # the weights' L2 prefetch on an NVIDIA GPU (triton_kernels/prefetch.py)
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
@@ -92,19 +91,12 @@ class DecoderLayer(nn.Module):
             [slice_rows(w.source(p + f"ffn_{n}.weight", up_shape), *f) for n in ("gate", "up")], w.device
         )
         self.down.load([slice_cols(w.source(p + "ffn_down.weight", (hidden, self.full_ffn)), *f)], w.device)
-        planes = [pw.data for lin in (self.qkv, self.o_proj, self.gate_up, self.down) for pw in lin.packed]
-        if planes and w.device.type == "cuda":
-            from vegaserve.triton_kernels.prefetch import LayerPrefetch
-
-            self.prefetch = LayerPrefetch(planes)  # in the order forward reads them
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, delta): the residual stream after attention and the MLP's output, not yet added to it. The
         layer before leaves its own delta the same way: its add and this layer's norm are one launch."""
         T = h.shape[0]
-        if self.prefetch is not None and T <= 8:  # decode: the mat-vecs read what the memory streams ahead
-            self.prefetch.launch()
         if delta is None:
             x = self.attn_norm(h)
         else:

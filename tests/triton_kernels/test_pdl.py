@@ -11,7 +11,6 @@ from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.fused import add_rms_norm, rms_norm, silu_mul
 from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
-from vegaserve.triton_kernels.prefetch import LayerPrefetch
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 
@@ -43,7 +42,7 @@ def test_the_switch_reaches_the_kernels_setting():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(pdl_setting):
-    """Twelve layers of L2 prefetch -> norm -> q8_1 -> int8 mat-vec (split-K too) -> SiLU-mul -> mat-vec -> residual add,
+    """Twelve layers of norm -> q8_1 -> int8 mat-vec (split-K too) -> SiLU-mul -> mat-vec -> residual add,
     captured in one CUDA graph and replayed: a kernel that read its input before the one writing it had
     finished would change the result, and only where launches overlap."""
     tids = {s.name: t for t, s in GGML_TYPES.items()}
@@ -53,12 +52,9 @@ def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(pdl_set
     down = [repack(random_blocks(tids["Q6_K"], d, f // 256, gen).cuda(), tids["Q6_K"], d, f) for _ in range(3)]
     norm_w = torch.rand(d, generator=gen).cuda() + 0.5
 
-    prefetch = [LayerPrefetch([up[i].data, down[i].data]) for i in range(3)]
-
     def chain(x: torch.Tensor) -> torch.Tensor:
         h, y = x, rms_norm(x, norm_w, 1e-5)
         for i in range(12):
-            prefetch[i % 3].launch(1 << 20 if i % 2 else 1 << 30)  # ends only once the kernel before it has
             g = matvec_int8(y, up[i % 3], split_k=2 if i % 2 else 1, q8_1=quantize_q8_1(y))
             a = silu_mul(g)
             o = matvec_int8(a, down[i % 3], split_k=4 if i % 3 == 0 else 1)
