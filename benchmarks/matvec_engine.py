@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--extra", default=None, help="launch parameters over the tuning file's, as JSON (e.g. a variant)")
     args = ap.parse_args()
+    extra = json.loads(args.extra) if args.extra else {}
     bw = copy_bandwidth()
     print(f"{args.label}: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print("| type | shape | M | int8 mat-vec | % copy bw | q8_1 quantize | same copy each call (L2) |")
@@ -58,14 +60,14 @@ def main() -> None:
             q8 = quantize_q8_1(x)
             xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
             ref = xd @ dense.T
-            err = float((matvec_int8(x, w, q8_1=q8) - ref).norm() / ref.norm())
+            err = float((matvec_int8(x, w, q8_1=q8, **extra) - ref).norm() / ref.norm())
             if not err < 1e-4:
                 raise SystemExit(f"{name} {shape} M={m}: relative error {err:.2e}")
-            t = bench_graph([lambda wi=wi: matvec_int8(x, wi, q8_1=q8) for wi in rotation])
+            t = bench_graph([lambda wi=wi: matvec_int8(x, wi, q8_1=q8, **extra) for wi in rotation])
             t_q = bench_graph([lambda: quantize_q8_1(x)] * len(rotation))
             # one copy read again and again: from L2 where it fits (60 MB on an H200), the rate the kernel
             # reaches when memory is not what holds it back
-            t_hot = bench_graph([lambda: matvec_int8(x, w, q8_1=q8)] * len(rotation))
+            t_hot = bench_graph([lambda: matvec_int8(x, w, q8_1=q8, **extra)] * len(rotation))
             print(f"| {name} | {shape} | {m} | {t * 1e3:.1f} us | {raw.numel() / (t * 1e-3) / bw:.1%} | "
                   f"{t_q * 1e3:.1f} us | {t_hot * 1e3:.1f} us |", flush=True)
             rows.append({"label": args.label, "type": name, "n": n, "k": k, "m": m, "bytes": raw.numel(), "ms": t,

@@ -272,6 +272,40 @@ def _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr):
 
 
 @triton.jit
+def _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0, NB: tl.constexpr):
+    """_q4_k_acts at M = 1 from two contiguous loads: the tile's NB * 64 activation words and NB * 8
+    scales and sums, each lane reading neighbouring addresses, then redistributed to the groups (Triton
+    converts through shared memory). The per-group loads of _q4_k_acts touch up to 16 cache lines per
+    warp-wide load, which kept the L1 at 88% of its throughput on 28672x4096 (docs/PERF.md, 2026-12-04).
+    w0, b0: the tile's first word and first q8_1 block. Runs [1, G, 4], scales and sums [1, G] as there."""
+    xt = tl.load(xq_ptr + w0 + tl.arange(0, NB * 64))
+    # word sb * 64 + cc * 32 + j * 16 + (2 q1 + q0) * 4 + w  ->  (g = 2 sb + j, w, cc, q1, q0)
+    xt = tl.permute(tl.reshape(xt, (NB, 2, 2, 2, 2, 4)), (0, 2, 5, 1, 3, 4))
+    x0, x1 = tl.split(tl.reshape(xt, (2 * NB, 4, 2, 2, 2)))  # q0 = 0, 1
+    x00, x01 = tl.split(x0)  # q1 = 0, 1
+    x10, x11 = tl.split(x1)
+    r0, r4 = tl.split(x00)  # cc = 0, 1: run r = 4 cc + 2 q1 + q0
+    r2, r6 = tl.split(x01)
+    r1, r5 = tl.split(x10)
+    r3, r7 = tl.split(x11)
+    runs = (r0[None, :, :], r1[None, :, :], r2[None, :, :], r3[None, :, :],
+            r4[None, :, :], r5[None, :, :], r6[None, :, :], r7[None, :, :])
+    return ((runs, _q4_k_block_values(dx_ptr, b0, NB), _q4_k_block_values(sx_ptr, b0, NB)),)
+
+
+@triton.jit
+def _q4_k_block_values(ptr, b0, NB: tl.constexpr):
+    """The tile's NB * 8 per-block values (q8_1 scales or sums) from one contiguous load, as the four
+    [1, G] of sub-blocks 2j, 2j + 1, 2j + 4, 2j + 5 of each group g = 2 sb + j."""
+    # block sb * 8 + h * 4 + j * 2 + p  ->  (g, h, p)
+    v = tl.load(ptr + b0 + tl.arange(0, NB * 8))
+    p0, p1 = tl.split(tl.reshape(tl.permute(tl.reshape(v, (NB, 2, 2, 2)), (0, 2, 1, 3)), (2 * NB, 2, 2)))
+    h0p0, h1p0 = tl.split(p0)
+    h0p1, h1p1 = tl.split(p1)
+    return h0p0[None, :], h0p1[None, :], h1p0[None, :], h1p1[None, :]
+
+
+@triton.jit
 def _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
                G: tl.constexpr, DOT: tl.constexpr):
     """The tile's products; the activations from `acts` (_q4_k_acts) at M = 1, loaded here per chunk
@@ -320,7 +354,7 @@ def _q4_k_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
@@ -334,15 +368,24 @@ def _q4_k_kernel(
     xb = (sb * 8 + 2 * j)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     acc = zero_rows(M, BLOCK_N, G)
     ACTS: tl.constexpr = 1 if M == 1 else 0  # rows of x whose activations are loaded with the tile
+    STAGED: tl.constexpr = STAGE and M == 1
+    w0 = first * 64  # the tile's first activation word and q8_1 block (STAGED)
+    b0_x = first * 8
     if CARRY:
         tile = _q4_k_tile(qs, dm, sp)
         pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
-        acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+        if STAGED:
+            acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+        else:
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     for it in range(0, n_iter):
         if not CARRY:
             tile = _q4_k_tile(qs, dm, sp)
             pdl.wait_for_inputs(PDL)  # a no-op after the first
-            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+            if STAGED:
+                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+            else:
+                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
         more = it + 1 < n_iter
         acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qs += _advance(more, NB * 32, CARRY)
@@ -350,9 +393,14 @@ def _q4_k_kernel(
         sp += _advance(more, NB * b1, CARRY)
         xw += _advance(more, NB * 64, CARRY)
         xb += _advance(more, NB * 8, CARRY)
+        w0 += _advance(more, NB * 64, CARRY)
+        b0_x += _advance(more, NB * 8, CARRY)
         if CARRY:
             tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
-            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+            if STAGED:
+                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+            else:
+                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
@@ -466,16 +514,21 @@ def dot_kind(device: torch.device) -> int:
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
+                stage: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
     iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
-    Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
+    stage 1 (Q4_K at M = 1): the tile's activations in two contiguous loads, redistributed through shared
+    memory, instead of a load per group. Unset launch parameters: the tuning file's "matvec_int8" entry,
+    else matvec_flat's rule (carry 1, stage 0)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
-                                                        "num_warps": num_warps, "carry": carry})
+                                                        "num_warps": num_warps, "carry": carry, "stage": stage})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
+    if w.type_id == Q4_K:
+        type_args = {**type_args, "STAGE": plan.params.get("stage", 0)}
     part, y, counts = plan.outputs(M, w.n, x.device)
     kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,

@@ -63,3 +63,21 @@ def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k
         assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2
     # the split programs' arrival counts are back at zero for the next launch (the calls above relied on it)
     assert not arrival_counts(torch.device(DEVICE), 1).any()
+
+
+@pytest.mark.parametrize("k, nb, split_k, carry", [(1024, 8, 1, 1), (2048, 64, 1, 0), (2048, 16, 2, 1)])
+def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, carry):
+    """stage 1 loads the tile's activations contiguously and redistributes them: the same words must reach
+    the same products, so the sums equal stage 0's exactly (and the reference's). M > 1 ignores it."""
+    tid = IDS["Q4_K"]
+    raw = random_blocks(tid, 24, k // 256, torch.Generator().manual_seed(7))
+    w, ref_w = repack(raw.to(DEVICE), tid, 24, k), repack(raw, tid, 24, k)
+    gen = torch.Generator().manual_seed(8)
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        q8 = quantize_q8_1(x)
+        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": q8}
+        staged, per_group = matvec_int8(x, w, stage=1, **cfg), matvec_int8(x, w, stage=0, **cfg)
+        assert torch.equal(staged, per_group)
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        assert float((staged.double().cpu() - ref).norm() / ref.norm()) < 1e-5
