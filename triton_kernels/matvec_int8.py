@@ -245,83 +245,12 @@ def _legacy_kernel(
 
 
 @triton.jit
-def _q4_k_tile(qs, dm, sp, PAIRED: tl.constexpr):
-    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group
-    [BLOCK_N, G, 4]; PAIRED: each chunk's 32-byte run as [BLOCK_N, G, 2, 4], its halves in neighbouring
-    lanes, so that a load instruction reads whole 32-byte sectors (four [.., 4] loads read each sector
-    twice, in two instructions)."""
+def _q4_k_tile(qs, dm, sp):
+    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group."""
     d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
     a, b, c = q4_k_scale_words(sp)
-    if PAIRED:
-        run = qs[:, :, None, :] + (tl.arange(0, 2) * 4)[None, None, :, None]
-        return d, dmin, a, b, c, tl.load(run), tl.load(run + 16)
-    else:
-        return d, dmin, a, b, c, tl.load(qs), tl.load(qs + 4), tl.load(qs + 16), tl.load(qs + 20)
-
-
-@triton.jit
-def _q4_k_load_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0, K, M: tl.constexpr, NB: tl.constexpr,
-                    LOADS: tl.constexpr):
-    """The activations a tile multiplies, in the form its dots take: per group (LOADS 0; at M > 1 the
-    dots load them per row themselves), from contiguous loads (1), or as lane pairs (2)."""
-    if LOADS == 1:
-        return _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0, NB)
-    elif LOADS == 2:
-        return _q4_k_acts_paired(xq_ptr, dx_ptr, sx_ptr, xw, xb)
-    else:
-        return _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, 1 if M == 1 else 0)
-
-
-@triton.jit
-def _q4_k_acts_paired(xq_ptr, dx_ptr, sx_ptr, xw, xb):
-    """_q4_k_acts at M = 1 in the paired tile's form: the low and high nibbles' activation runs of chunk j
-    and of chunk j + 2, each [1, G, 2, 4] (words 32 cc + 8 part + 4 half + i of the group's), and the
-    scales and sums as there."""
-    run = xq_ptr + xw[:, None, :] + (tl.arange(0, 2) * 4)[None, :, None]
-    runs = (tl.load(run)[None], tl.load(run + 8)[None], tl.load(run + 32)[None], tl.load(run + 40)[None])
-    dx = (tl.load(dx_ptr + xb), tl.load(dx_ptr + xb + 1), tl.load(dx_ptr + xb + 4), tl.load(dx_ptr + xb + 5))
-    sx = (tl.load(sx_ptr + xb), tl.load(sx_ptr + xb + 1), tl.load(sx_ptr + xb + 4), tl.load(sx_ptr + xb + 5))
-    return ((runs, dx, sx),)
-
-
-@triton.jit
-def _split4_paired(v):
-    """The 4 in-thread slices of v [A, B, 2, 4] along its last axis: [A, B, 2] each."""
-    a, b = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 2, 2, 2]))
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _q4_k_dots_paired(tile, acts, acc, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr):
-    """_q4_k_dots at M = 1 on the paired tile: each lane sums the dot products of its half of a run, and
-    the two halves' integer sums are added across the pair before the scales (the same sums, exactly)."""
-    d, dmin, a, b, c, run0, run1 = tile
-    sc_a, sc_b, mn_a, mn_b = q4_k_scale_decode(a, b, c)
-    scales = (sc_a, sc_b)
-    mins = (mn_a, mn_b)
-    runs = (run0, run1)
-    xr, dx, sx = acts[0]
-    new = acc[0]
-    for cc in tl.static_range(2):  # chunk j, then chunk j + 2
-        words = _split4_paired(runs[cc])
-        xl = _split4_paired(xr[2 * cc])
-        xh = _split4_paired(xr[2 * cc + 1])
-        s_lo = tl.zeros([BLOCK_N, G, 2], dtype=tl.int32)
-        s_hi = tl.zeros([BLOCK_N, G, 2], dtype=tl.int32)
-        for i in tl.static_range(4):
-            s_lo = dot4(words[i] & 0x0F0F0F0F, xl[i], s_lo, DOT)
-            s_hi = dot4((words[i] >> 4) & 0x0F0F0F0F, xh[i], s_hi, DOT)
-        sc_lo = d * (scales[cc] & 63).to(tl.float32)
-        sc_hi = d * ((scales[cc] >> 8) & 63).to(tl.float32)
-        mn_lo = dmin * (mins[cc] & 63).to(tl.float32)
-        mn_hi = dmin * ((mins[cc] >> 8) & 63).to(tl.float32)
-        new = (new + sc_lo * dx[2 * cc] * tl.sum(s_lo, axis=2).to(tl.float32)
-               + sc_hi * dx[2 * cc + 1] * tl.sum(s_hi, axis=2).to(tl.float32)
-               - mn_lo * sx[2 * cc] - mn_hi * sx[2 * cc + 1])
-    return (new,)
+    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + 4), tl.load(qs + 16), tl.load(qs + 20)
 
 
 @triton.jit
@@ -438,23 +367,27 @@ def _q4_k_kernel(
     # shape, a [1, G] load got a layout of its own and a conversion through shared memory per row of x
     xb = (sb * 8 + 2 * j)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     acc = zero_rows(M, BLOCK_N, G)
-    LOADS: tl.constexpr = STAGE if M == 1 else 0  # how the tile and its activations are loaded (matvec_int8)
-    w0 = first * 64  # the tile's first activation word and q8_1 block (LOADS 1)
+    ACTS: tl.constexpr = 1 if M == 1 else 0  # rows of x whose activations are loaded with the tile
+    STAGED: tl.constexpr = STAGE and M == 1
+    w0 = first * 64  # the tile's first activation word and q8_1 block (STAGED)
     b0_x = first * 8
     if CARRY:
-        tile = _q4_k_tile(qs, dm, sp, LOADS == 2)
+        tile = _q4_k_tile(qs, dm, sp)
         pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
-        acts = _q4_k_load_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, M, NB, LOADS)
+        if STAGED:
+            acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+        else:
+            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q4_k_tile(qs, dm, sp, LOADS == 2)
+            tile = _q4_k_tile(qs, dm, sp)
             pdl.wait_for_inputs(PDL)  # a no-op after the first
-            acts = _q4_k_load_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, M, NB, LOADS)
+            if STAGED:
+                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+            else:
+                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
         more = it + 1 < n_iter
-        if LOADS == 2:
-            acc = _q4_k_dots_paired(tile, acts, acc, BLOCK_N, G, DOT)
-        else:
-            acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
+        acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qs += _advance(more, NB * 32, CARRY)
         dm += _advance(more, NB * b0, CARRY)
         sp += _advance(more, NB * b1, CARRY)
@@ -463,8 +396,11 @@ def _q4_k_kernel(
         w0 += _advance(more, NB * 64, CARRY)
         b0_x += _advance(more, NB * 8, CARRY)
         if CARRY:
-            tile = _q4_k_tile(qs, dm, sp, LOADS == 2)  # the next tile's loads (ptxas issues them mid-loop)
-            acts = _q4_k_load_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, M, NB, LOADS)
+            tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
+            if STAGED:
+                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
+            else:
+                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
@@ -583,9 +519,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
     iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
-    stage (Q4_K at M = 1), how a tile and its activations are loaded: 0 per group, 1 the activations in
-    contiguous loads redistributed through shared memory (the default), 2 each 32-byte run of weights and
-    activations by a pair of lanes. Unset launch parameters: the tuning file's
+    stage 1 (Q4_K at M = 1): the tile's activations in two contiguous loads, redistributed through shared
+    memory, instead of a load per group (the default). Unset launch parameters: the tuning file's
     "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage})

@@ -67,9 +67,8 @@ def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k
 
 @pytest.mark.parametrize("k, nb, split_k, carry", [(1024, 8, 1, 1), (2048, 64, 1, 0), (2048, 16, 2, 1)])
 def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, carry):
-    """stage 1 loads the tile's activations contiguously and redistributes them, stage 2 splits each run
-    between two lanes: the same words must reach the same products, so the sums equal stage 0's exactly
-    (and the reference's). M > 1 ignores both."""
+    """stage 1 loads the tile's activations contiguously and redistributes them: the same words must reach
+    the same products, so the sums equal stage 0's exactly (and the reference's). M > 1 ignores it."""
     tid = IDS["Q4_K"]
     raw = random_blocks(tid, 24, k // 256, torch.Generator().manual_seed(7))
     w, ref_w = repack(raw.to(DEVICE), tid, 24, k), repack(raw, tid, 24, k)
@@ -80,6 +79,5 @@ def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, c
         cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": q8}
         staged, per_group = matvec_int8(x, w, stage=1, **cfg), matvec_int8(x, w, stage=0, **cfg)
         assert torch.equal(staged, per_group)
-        assert torch.equal(matvec_int8(x, w, stage=2, **cfg), per_group)  # lane pairs: the same integer sums
         ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
         assert float((staged.double().cpu() - ref).norm() / ref.norm()) < 1e-5
