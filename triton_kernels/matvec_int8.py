@@ -13,8 +13,9 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
   Q8_0  (d * dx) * sum(q * xq).
   Q4_0  d * (dx * sum(q * xq) - 8 sx), q the unsigned nibble.
   IQ4_NL, MXFP4  d * dx * sum(v[q] * xq), v the type's 16 int8 levels (MXFP4: e2m1 doubled, d = 2^(e - 128));
-        a word of 8 nibbles becomes two words of levels with 8 byte permutes from the 16-byte table
-        (prmt on NVIDIA, as llama.cpp's get_int_from_table_16; the integer emulation elsewhere).
+        a word of 8 nibbles becomes two words of levels with byte permutes from the 16-byte table
+        (8 prmt on NVIDIA, as llama.cpp's get_int_from_table_16; 6 v_perm_b32 on AMD, whose byte
+        selectors take four nibbles at once; the integer emulation under the interpreter).
   Q4_K  per 32-element sub-block s: d * sc[s] * dx[s] * sum(q * xq) - dmin * m[s] * sx[s].
   Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
@@ -99,17 +100,44 @@ def prmt(a, b, sel, DOT: tl.constexpr):
 
 
 @triton.jit
-def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr):
+def perm_bytes(a, b, sel, DOT: tl.constexpr):
+    """AMD v_perm_b32 with byte selectors: byte k of the result is byte (sel >> 8k) & 7 of {b, a} (a bytes
+    0-3, b 4-7); selectors here are 0-7 only (8 and up select constants there). The integer emulation
+    where the instruction is not (the interpreter tests this path through it)."""
+    if DOT == 2:
+        return tl.inline_asm_elementwise("v_perm_b32 $0, $1, $2, $3", "=v,v,v,v", [b, a, sel + tl.zeros_like(a)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            s = (sel >> (8 * k)) & 7
+            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
+            out = out | (byte << (8 * k))
+        return out
+
+
+@triton.jit
+def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr = -1):
     """A word of 8 nibbles (byte t: low nibble and high nibble) -> the table's int8 levels of the low nibbles
     of bytes 0..3 and of the high ones, two words. Nibble k (of the low 16 bits, then of the high) picks its
     byte from table words 0-1 or 2-3 by its low 3 bits, and bit 3 chooses between the two picks. TABLE: 1
-    IQ4_NL's levels, 2 MXFP4's."""
+    IQ4_NL's levels, 2 MXFP4's. BYTE_SELECT (default: on AMD only) takes AMD's byte-selector permute:
+    the low nibbles of the four bytes select at once (q & 0x07070707 is four byte selectors), then the
+    high ones, in 6 permutes and no final interleave; NVIDIA's prmt takes nibble selectors (8 permutes)."""
     WORDS: tl.constexpr = IQ4_NL_WORDS if TABLE == 1 else MXFP4_WORDS
     live = q == q  # the table in registers, not immediates (see flat_words.magic)
     t0 = tl.where(live, WORDS[0], 0)
     t1 = tl.where(live, WORDS[1], 0)
     t2 = tl.where(live, WORDS[2], 0)
     t3 = tl.where(live, WORDS[3], 0)
+    if BYTE_SELECT == 1 or (BYTE_SELECT == -1 and DOT == 2):
+        lo_idx = q & 0x07070707  # byte t: the low 3 bits of its low nibble
+        hi_idx = (q >> 4) & 0x07070707  # of its high nibble
+        lo_sel = ((q >> 1) & 0x04040404) | 0x03020100  # byte t: t, + 4 where its low nibble has bit 3
+        hi_sel = ((q >> 5) & 0x04040404) | 0x03020100
+        lo = perm_bytes(perm_bytes(t0, t1, lo_idx, DOT), perm_bytes(t2, t3, lo_idx, DOT), lo_sel, DOT)
+        hi = perm_bytes(perm_bytes(t0, t1, hi_idx, DOT), perm_bytes(t2, t3, hi_idx, DOT), hi_sel, DOT)
+        return lo, hi
     idx = q & 0x77777777
     sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
     x0 = prmt(prmt(t0, t1, idx, DOT), prmt(t2, t3, idx, DOT), sel & 0xFFFF, DOT)

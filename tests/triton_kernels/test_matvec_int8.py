@@ -10,12 +10,23 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts
-from vegaserve.triton_kernels.matvec_int8 import SUPPORTED, matvec_int8, quantize_q8_1, reference_matvec_q8_1
+from vegaserve.triton_kernels.matvec_int8 import (
+    SUPPORTED,
+    dot_kind,
+    lookup16,
+    matvec_int8,
+    quantize_q8_1,
+    reference_matvec_q8_1,
+)
+from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
+from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,3 +92,29 @@ def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, c
         assert torch.equal(staged, per_group)
         ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
         assert float((staged.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
+@triton.jit
+def _lookup_kernel(q_ptr, lo_ptr, hi_ptr, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr):
+    i = tl.arange(0, 256)
+    lo, hi = lookup16(tl.load(q_ptr + i), TABLE, DOT, BYTE_SELECT)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+@pytest.mark.parametrize("byte_select", [0, 1], ids=["nibble-selectors", "byte-selectors"])
+@pytest.mark.parametrize("table, levels", [(1, IQ4_NL_LEVELS), (2, DOUBLED_E2M1)], ids=["IQ4_NL", "MXFP4"])
+def test_table_lookup_gives_each_nibbles_level(table, levels, byte_select):
+    """Both permute schemes of lookup16 (NVIDIA's prmt with nibble selectors, AMD's v_perm_b32 with byte
+    selectors; each as its instruction or, elsewhere, its integer emulation) against a plain table lookup
+    of every nibble, over random words and the all-codes words."""
+    words = torch.randint(-2**31, 2**31, (256,), generator=torch.Generator().manual_seed(9), dtype=torch.int64)
+    words[:16] = torch.tensor([int.from_bytes(bytes([c | (15 - c) << 4] * 4), "little", signed=True) for c in range(16)])
+    q = words.to(torch.int32).to(DEVICE)
+    lo, hi = torch.empty_like(q), torch.empty_like(q)
+    _lookup_kernel[(1,)](q, lo, hi, TABLE=table, DOT=dot_kind(q.device), BYTE_SELECT=byte_select)
+    raw = q.cpu().numpy().view(np.uint8).reshape(256, 4)
+    table_np = np.array(levels, dtype=np.int8)
+    want_lo = table_np[raw & 15].reshape(-1).view(np.int32)
+    want_hi = table_np[raw >> 4].reshape(-1).view(np.int32)
+    assert np.array_equal(lo.cpu().numpy(), want_lo) and np.array_equal(hi.cpu().numpy(), want_hi)

@@ -1,0 +1,67 @@
+"""The int8-dot mat-vec kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
+instructions in them: dp4a and prmt (the level tables) in the PTX, v_dot4_i32_i8 and v_perm_b32 in the
+AMDGCN assembly. The interpreter runs the integer emulation of those instructions, so only a compiler sees
+the inline assembly; these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
+
+Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). M = 1,
+a split-K of 2, the tiles of an 8B decode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import matvec_int8 as mv
+
+backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
+dot = mv.PTX_DP4A if backend == "cuda" else mv.AMDGCN_DOT4
+types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
+         "out_ptr": "*fp32", "count_ptr": "*i32"}
+common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False)
+kernels = {
+    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False)),
+    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False)),
+    "IQ4_NL": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=1, E8M0=False)),
+    "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True)),
+    "Q4_K": (mv._q4_k_kernel, dict(NB=8, STAGE=1)),
+    "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
+}
+for name, (fn, consts) in kernels.items():
+    consts = {**common, **consts}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
+    asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
+    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32") if ins in asm]
+    print(name, " ".join(found))
+print("compiled")
+"""
+
+WANT = {  # type -> instructions its kernel must contain, per backend
+    "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
+             "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"}},
+    "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
+            "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"}},
+}
+
+
+@pytest.mark.parametrize("backend,arch,warp", [("cuda", "90", 32), ("hip", "gfx906", 64)], ids=["sm90", "gfx906"])
+def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(backend, arch, warp):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while the default is unset
+    done = subprocess.run([sys.executable, "-c", COMPILE, backend, arch, str(warp)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-4000:]
+    found = {line.split()[0]: set(line.split()[1:]) for line in done.stdout.splitlines() if line != "compiled"}
+    for name, want in WANT[backend].items():
+        assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
+        assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
