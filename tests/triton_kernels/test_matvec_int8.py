@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts
@@ -118,3 +118,31 @@ def test_table_lookup_gives_each_nibbles_level(table, levels, byte_select):
     want_lo = table_np[raw & 15].reshape(-1).view(np.int32)
     want_hi = table_np[raw >> 4].reshape(-1).view(np.int32)
     assert np.array_equal(lo.cpu().numpy(), want_lo) and np.array_equal(hi.cpu().numpy(), want_hi)
+
+
+def _shipped_int8_entries() -> list[tuple[str, int, int, int]]:
+    from vegaserve.triton_kernels.tuning import load_tuning
+
+    table = load_tuning(target="cuda_sm90").table.get("matvec_int8", {})
+    return [(name, *(int(v) for v in shape.split("x")), int(m))
+            for name, shapes in sorted(table.items()) for shape, by_m in sorted(shapes.items())
+            if "x" in shape for m in sorted(by_m)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name, n, k, m", _shipped_int8_entries())
+def test_every_shipped_int8_config_is_right_at_its_own_shape(name, n, k, m):
+    """Each exact-shape entry of the H200 tuning file, at that shape, through the launch a linear layer
+    makes: variants that passed the interpreter's small shapes were wrong on the H200 at an engine shape
+    twice (docs/PERF.md, 2026-12-04), so the shapes the engine runs are checked here as they run."""
+    tid = IDS[name]
+    qk = GGML_TYPES[tid].block_size
+    raw = random_blocks(tid, n, k // qk, torch.Generator().manual_seed(n + k)).cuda()
+    w = repack(raw, tid, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).cuda()
+    q8 = quantize_q8_1(x)
+    xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
+    ref = xd @ dequantize(raw.reshape(-1), tid, (n, k)).T
+    y = matvec_int8(x, w, q8_1=q8)  # the tuning file's parameters, as TritonMethod takes them
+    assert float((y - ref).norm() / ref.norm()) < 1e-4
