@@ -31,11 +31,12 @@ def build(fn, consts, opts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     triton.compile(ASTSource(fn, sig, consts), target=target, options=opts)
 
+pdl = backend == "cuda"  # programmatic dependent launch: sm_90's, AMD has none (pdl.py)
 meta, opts = split_params(backend_fallback(backend, "decode"))
 for single in (False, True):
     build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
-          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single), opts)
-build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128), {})
+          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, PDL=pdl), opts)
+build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, PDL=pdl), {})
 meta, opts = split_params(backend_fallback(backend, "prefill"))
 build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,
       BLOCK_D=128, BLOCK_N=meta["block_n"], DOT_F32=False), opts)
