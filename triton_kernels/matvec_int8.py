@@ -84,33 +84,22 @@ def dot4(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def prmt(a, b, sel, DOT: tl.constexpr):
-    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of {b, a} (a bytes 0-3, b
-    4-7). Selectors here never have bit 3 set (no sign replication), so the emulation leaves that out."""
-    if DOT == 1:
+def byte_permute(a, b, sel, STRIDE: tl.constexpr, DOT: tl.constexpr):
+    """Byte k of the result is byte (sel >> STRIDE k) & 7 of {b, a} (a bytes 0-3, b 4-7). STRIDE 4: nibble
+    selectors, PTX prmt.b32 (default mode) on NVIDIA; 8: byte selectors, v_perm_b32 on AMD. Selectors
+    here are 0-7 only (prmt's bit 3 replicates a sign, v_perm's 8 and up select constants), so the integer
+    emulation, which runs wherever the instruction is not (the interpreter tests both through it), leaves
+    those out."""
+    if DOT == 1 and STRIDE == 4:
         return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel + tl.zeros_like(a)],
                                          dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        out = tl.zeros_like(a)
-        for k in tl.static_range(4):
-            s = (sel >> (4 * k)) & 7
-            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
-            out = out | (byte << (8 * k))
-        return out
-
-
-@triton.jit
-def perm_bytes(a, b, sel, DOT: tl.constexpr):
-    """AMD v_perm_b32 with byte selectors: byte k of the result is byte (sel >> 8k) & 7 of {b, a} (a bytes
-    0-3, b 4-7); selectors here are 0-7 only (8 and up select constants there). The integer emulation
-    where the instruction is not (the interpreter tests this path through it)."""
-    if DOT == 2:
+    elif DOT == 2 and STRIDE == 8:
         return tl.inline_asm_elementwise("v_perm_b32 $0, $1, $2, $3", "=v,v,v,v", [b, a, sel + tl.zeros_like(a)],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
         out = tl.zeros_like(a)
         for k in tl.static_range(4):
-            s = (sel >> (8 * k)) & 7
+            s = (sel >> (STRIDE * k)) & 7
             byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
             out = out | (byte << (8 * k))
         return out
@@ -135,15 +124,16 @@ def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexp
         hi_idx = (q >> 4) & 0x07070707  # of its high nibble
         lo_sel = ((q >> 1) & 0x04040404) | 0x03020100  # byte t: t, + 4 where its low nibble has bit 3
         hi_sel = ((q >> 5) & 0x04040404) | 0x03020100
-        lo = perm_bytes(perm_bytes(t0, t1, lo_idx, DOT), perm_bytes(t2, t3, lo_idx, DOT), lo_sel, DOT)
-        hi = perm_bytes(perm_bytes(t0, t1, hi_idx, DOT), perm_bytes(t2, t3, hi_idx, DOT), hi_sel, DOT)
+        lo = byte_permute(byte_permute(t0, t1, lo_idx, 8, DOT), byte_permute(t2, t3, lo_idx, 8, DOT), lo_sel, 8, DOT)
+        hi = byte_permute(byte_permute(t0, t1, hi_idx, 8, DOT), byte_permute(t2, t3, hi_idx, 8, DOT), hi_sel, 8, DOT)
         return lo, hi
     idx = q & 0x77777777
     sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
-    x0 = prmt(prmt(t0, t1, idx, DOT), prmt(t2, t3, idx, DOT), sel & 0xFFFF, DOT)
+    x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel & 0xFFFF, 4, DOT)
     idx_hi = (idx >> 16) & 0xFFFF
-    x1 = prmt(prmt(t0, t1, idx_hi, DOT), prmt(t2, t3, idx_hi, DOT), (sel >> 16) & 0xFFFF, DOT)
-    return prmt(x0, x1, 0x6420, DOT), prmt(x0, x1, 0x7531, DOT)
+    x1 = byte_permute(byte_permute(t0, t1, idx_hi, 4, DOT), byte_permute(t2, t3, idx_hi, 4, DOT),
+                      (sel >> 16) & 0xFFFF, 4, DOT)
+    return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
 
 
 def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> torch.Tensor:

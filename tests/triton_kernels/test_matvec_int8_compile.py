@@ -9,10 +9,6 @@ a split-K of 2, the tiles of an 8B decode.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 COMPILE = r"""
@@ -55,13 +51,9 @@ WANT = {  # type -> instructions its kernel must contain, per backend
 
 
 @pytest.mark.parametrize("backend,arch,warp", [("cuda", "90", 32), ("hip", "gfx906", 64)], ids=["sm90", "gfx906"])
-def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(backend, arch, warp):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while the default is unset
-    done = subprocess.run([sys.executable, "-c", COMPILE, backend, arch, str(warp)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-4000:]
-    found = {line.split()[0]: set(line.split()[1:]) for line in done.stdout.splitlines() if line != "compiled"}
+def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(backend, arch, warp, offline_compile):
+    out = offline_compile(COMPILE, backend, arch, warp)
+    found = {line.split()[0]: set(line.split()[1:]) for line in out.splitlines() if line != "compiled"}
     for name, want in WANT[backend].items():
         assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
