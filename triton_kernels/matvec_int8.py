@@ -312,6 +312,17 @@ def _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0, NB: tl.constexpr):
 
 
 @triton.jit
+def _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0, K, NB: tl.constexpr, ACTS: tl.constexpr,
+                    STAGED: tl.constexpr):
+    """The activations loaded with a tile (M = 1; none at M > 1, where the dots load them per row): staged
+    (contiguous loads, w0 and b0 the tile's first word and block) or per group (xw, xb)."""
+    if STAGED:
+        return _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0, NB)
+    else:
+        return _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+
+
+@triton.jit
 def _q4_k_block_values(ptr, b0, NB: tl.constexpr):
     """The tile's NB * 8 per-block values (q8_1 scales or sums) from one contiguous load, as the four
     [1, G] of sub-blocks 2j, 2j + 1, 2j + 4, 2j + 5 of each group g = 2 sb + j."""
@@ -392,18 +403,12 @@ def _q4_k_kernel(
     if CARRY:
         tile = _q4_k_tile(qs, dm, sp)
         pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
-        if STAGED:
-            acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
-        else:
-            acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+        acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     for it in range(0, n_iter):
         if not CARRY:
             tile = _q4_k_tile(qs, dm, sp)
             pdl.wait_for_inputs(PDL)  # a no-op after the first
-            if STAGED:
-                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
-            else:
-                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+            acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
         more = it + 1 < n_iter
         acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
         qs += _advance(more, NB * 32, CARRY)
@@ -415,10 +420,7 @@ def _q4_k_kernel(
         b0_x += _advance(more, NB * 8, CARRY)
         if CARRY:
             tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
-            if STAGED:
-                acts = _q4_k_acts_staged(xq_ptr, dx_ptr, sx_ptr, w0, b0_x, NB)
-            else:
-                acts = _q4_k_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, K, ACTS)
+            acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
@@ -511,7 +513,7 @@ def _q6_k_kernel(
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
 _LEGACY = {"TABLE": 0, "E8M0": False}
 _KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
-            IQ4_NL: (_legacy_kernel, {"WORDS": 4, "TABLE": 1, "E8M0": False}),
+            IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
             MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
