@@ -6,6 +6,7 @@ ScheduledBatch -> StepPlan -> executor (every rank: ForwardBatch, its layers) ->
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -68,21 +69,16 @@ class StepInFlight:
         self.tokens: torch.Tensor | None = None
         self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples]
         self._rows: torch.Tensor | None = None  # the sampling rows' logits, kept by draw() for result()
-
-    def _sampling_rows(self) -> list[int]:
-        """The logits row of each sampling sequence: its last."""
-        last_rows, row = [], 0
-        for s, every in zip(self.batch.seqs, self.wants_prompt, strict=True):
-            row += len(s.tokens) if every else 1
-            last_rows.append(row - 1)
-        return [last_rows[i] for i in self.sampling]
+        # each sequence's logits rows end here: all its rows where it wants prompt logprobs, else its last
+        self.row_ends = list(itertools.accumulate(len(s.tokens) if every else 1
+                                                  for s, every in zip(batch.seqs, wants_prompt, strict=True)))
 
     @torch.inference_mode()
     def draw(self) -> None:
         if self.tokens is not None or not self.sampling:
             return
         reqs = [self.batch.seqs[i].request for i in self.sampling]
-        rows = self._sampling_rows()
+        rows = [self.row_ends[i] - 1 for i in self.sampling]  # a sampling sequence's last row
         if rows == list(range(self.logits.shape[0])):  # a decode step: every row, no index upload (no wait)
             # logprobs are read in result(), maybe after the next launch has overwritten the buffer
             asked = any(r.params.logprobs is not None for r in reqs)
@@ -96,14 +92,11 @@ class StepInFlight:
     def result(self) -> StepOutput:
         self.draw()
         results: list[SeqResult] = []
-        row = 0
-        for s, every in zip(self.batch.seqs, self.wants_prompt, strict=True):
-            n_rows = len(s.tokens) if every else 1
+        for s, every, end in zip(self.batch.seqs, self.wants_prompt, self.row_ends, strict=True):
             res = SeqResult(token_id=None)
             if every:
-                res.prompt_logprobs = self._prompt_logprobs(s, self.logits[row : row + n_rows])
+                res.prompt_logprobs = self._prompt_logprobs(s, self.logits[end - len(s.tokens) : end])
             results.append(res)
-            row += n_rows
         if self.sampling:
             out = self.runner.sampler.collect(self._rows, self.tokens,
                                               [self.batch.seqs[i].request.params for i in self.sampling])
