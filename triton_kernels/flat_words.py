@@ -119,27 +119,36 @@ def store_rows(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLI
 
 
 @triton.jit
-def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WORDS: tl.constexpr):
+def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WORDS: tl.constexpr,
+                 FLAT: tl.constexpr = 0):
     """Blocks first .. first + NB - 1 of a 32-element type with one f16 scale: int32 pointers to each
     block's first 4 quant words [BLOCK_N, NB, 4] (WORDS words a block) and byte pointers to its scale
     [BLOCK_N, NB]. The scale's block stride b_d stays a run-time value: with it Triton sees no contiguity
     in that load and lays it out like the word tile's groups; with the constant 2 it chose a vector load
-    and converted the result through shared memory (barriers in every iteration)."""
+    and converted the result through shared memory (barriers in every iteration).
+    FLAT: the quant pointers as [BLOCK_N, NB * WORDS] instead, each row's words of the tile one contiguous
+    run. Triton's coalescing orders a load's axes by contiguity; the 3-D form's block and row axes tie at
+    1, and Triton 3.6 gives the lanes of a warp to 16 rows first (16 cache lines per load instruction on
+    an H200, L1-bound), while the 2-D form's contiguity puts them along the row (docs/PERF.md, 2026-12-04,
+    fourth sitting)."""
     g = tl.arange(0, NB)
-    qs = word_ptrs(base, o_q, r_q, r64) + ((first + g) * WORDS)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    if FLAT:  # [BLOCK_N, NB * WORDS]: one contiguous run per row, so the lanes of a warp go along it
+        qs = (base + o_q + r64[:, None] * r_q).to(tl.pointer_type(tl.int32)) + (first * WORDS + tl.arange(0, NB * WORDS))[None, :]
+    else:
+        qs = word_ptrs(base, o_q, r_q, r64) + ((first + g) * WORDS)[None, :, None] + tl.arange(0, 4)[None, None, :]
     return qs, base + o_d + r64[:, None] * r_d + (first + g)[None, :] * b_d
 
 
 @triton.jit
-def q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB: tl.constexpr):
+def q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB: tl.constexpr, PAIRED: tl.constexpr = 0):
     """The Q4_K tile's groups (super-block sb, j = 0 or 1: chunks j and j + 2) from super-block `first`:
     int32 pointers to chunk j's first half [BLOCK_N, G, 4] (+ 4 words its second half, + 16 and + 20 those
-    of chunk j + 2), byte pointers to d (f16; dmin at + 2) and to scale bytes 2j, 2j + 1 (+ 4, + 8)
-    [BLOCK_N, G], and sb, j [G]."""
+    of chunk j + 2; PAIRED (layout.PAIRED_Q4_K): + 8, + 16, + 24), byte pointers to d (f16; dmin at + 2)
+    and to scale bytes 2j, 2j + 1 (+ 4, + 8) [BLOCK_N, G], and sb, j [G]."""
     g = tl.arange(0, 2 * NB)
     sb = first + g // 2
     j = g % 2
-    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * (8 >> PAIRED))[None, :, None] + tl.arange(0, 4)[None, None, :]
     dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
     sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
     return qs, dm, sp, sb, j

@@ -45,7 +45,7 @@ from vegaserve.triton_kernels.flat_words import (
     store_rows,
     zero_rows,
 )
-from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.layout import PAIRED_Q4_K, PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
@@ -160,17 +160,26 @@ def _advance(more, step, CARRY: tl.constexpr):
 
 
 @triton.jit
-def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr):
+def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr = 0):
     """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale) and
     HALVES 16-byte runs of each block."""
     if E8M0:
         d = half_scale(tl.load(dp).to(tl.int32))
     else:
         d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    if HALVES == 2:
-        return d, tl.load(qs), tl.load(qs + 4)
+    if FLAT:  # qs [BLOCK_N, NB * 4 * HALVES] (block_planes' FLAT), each row's run along the lanes
+        raw = tl.load(qs)
+        if HALVES == 2:
+            h0, h1 = tl.split(tl.permute(tl.reshape(raw, [raw.shape[0], raw.shape[1] // 8, 2, 4]), (0, 1, 3, 2)))
+        else:
+            h0 = tl.reshape(raw, [raw.shape[0], raw.shape[1] // 4, 4])
+            h1 = h0
+    elif HALVES == 2:
+        h0, h1 = tl.load(qs), tl.load(qs + 4)
     else:
-        return d, tl.load(qs), tl.load(qs)
+        h0 = tl.load(qs)
+        h1 = h0
+    return d, h0, h1
 
 
 @triton.jit
@@ -232,20 +241,21 @@ def _legacy_kernel(
     N, K, blocks_per_split,
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
+    FLAT: tl.constexpr = 0,
 ):
     """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
     levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte)."""
     pdl.let_next_start(PDL)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS)
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS, FLAT)
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
     if CARRY:
-        tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)
+        tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += _advance(more, NB * WORDS, CARRY)
@@ -255,7 +265,7 @@ def _legacy_kernel(
         else:
             acc = _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
         if CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0)  # the next tile's loads (ptxas issues them mid-loop)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
@@ -263,12 +273,14 @@ def _legacy_kernel(
 
 
 @triton.jit
-def _q4_k_tile(qs, dm, sp):
-    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group."""
+def _q4_k_tile(qs, dm, sp, PAIRED: tl.constexpr):
+    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group (PAIRED:
+    the pieces in layout.PAIRED_Q4_K's order, each run's two groups side by side)."""
     d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
     a, b, c = q4_k_scale_words(sp)
-    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + 4), tl.load(qs + 16), tl.load(qs + 20)
+    H: tl.constexpr = 4 << PAIRED  # the second half of a chunk
+    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + H), tl.load(qs + 16), tl.load(qs + 16 + H)
 
 
 @triton.jit
@@ -383,14 +395,14 @@ def _q4_k_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, STAGE: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
     G: tl.constexpr = 2 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB)
+    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB, PAIRED)
     xw = (sb * 64 + j * 16)[:, None] + tl.arange(0, 4)[None, :]  # int32 word of sub-block 2j's first element
     # q8_1 block of sub-block 2j, [BLOCK_N, G] (the same for every row): loaded in the accumulators'
     # shape, a [1, G] load got a layout of its own and a conversion through shared memory per row of x
@@ -401,12 +413,12 @@ def _q4_k_kernel(
     w0 = first * 64  # the tile's first activation word and q8_1 block (STAGED)
     b0_x = first * 8
     if CARRY:
-        tile = _q4_k_tile(qs, dm, sp)
+        tile = _q4_k_tile(qs, dm, sp, PAIRED)
         pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
         acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q4_k_tile(qs, dm, sp)
+            tile = _q4_k_tile(qs, dm, sp, PAIRED)
             pdl.wait_for_inputs(PDL)  # a no-op after the first
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
         more = it + 1 < n_iter
@@ -419,7 +431,7 @@ def _q4_k_kernel(
         w0 += _advance(more, NB * 64, CARRY)
         b0_x += _advance(more, NB * 8, CARRY)
         if CARRY:
-            tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
+            tile = _q4_k_tile(qs, dm, sp, PAIRED)  # the next tile's loads (ptxas issues them mid-loop)
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
@@ -534,21 +546,27 @@ def dot_kind(device: torch.device) -> int:
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
-                stage: int | None = None,
+                stage: int | None = None, flat: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
     iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
     stage 1 (Q4_K at M = 1): the tile's activations in two contiguous loads, redistributed through shared
-    memory, instead of a load per group (the default). Unset launch parameters: the tuning file's
+    memory, instead of a load per group (the default). flat 1 (32-element types): each row's quant words
+    of a tile in one contiguous load, which puts the lanes of a warp along the row (the default; flat 0:
+    a [rows, blocks, 4] load, whose lanes Triton 3.6 lays across 16 rows, a cache line each). Unset launch parameters: the tuning file's
     "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
-                                                        "num_warps": num_warps, "carry": carry, "stage": stage})
+                                                        "num_warps": num_warps, "carry": carry, "stage": stage,
+                                                        "flat": flat})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
+    if w.type_id not in (Q4_K, Q6_K):
+        type_args = {**type_args, "FLAT": plan.params.get("flat", 1)}  # 1.2-1.5x on the 8B shapes (Triton 3.6)
     if w.type_id == Q4_K:
-        type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
+        type_args = {**type_args, "STAGE": plan.params.get("stage", 1),  # 1.04-1.09x on the 8B shapes
+                     "PAIRED": int(w.pieces == PAIRED_Q4_K)}
     part, y, counts = plan.outputs(M, w.n, x.device)
     kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,
