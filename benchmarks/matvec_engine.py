@@ -19,7 +19,7 @@ import json
 import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
-from vegaserve.triton_kernels.layout import PAIRED_Q4_K, repack
+from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.timing import bench_graph, copies_for
@@ -39,8 +39,6 @@ def main() -> None:
     ap.add_argument("--ms", default="1")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--pieces", choices=("gguf", "paired"), default="gguf",
-                    help="Q4_K's quant plane in GGUF's piece order or layout.PAIRED_Q4_K's")
     ap.add_argument("--extra", default=None, help="launch parameters over the tuning file's, as JSON (e.g. a variant)")
     args = ap.parse_args()
     extra = json.loads(args.extra) if args.extra else {}
@@ -55,7 +53,7 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(n + k)).cuda()
         dense = dequantize(raw.reshape(-1), tid, (n, k))
-        w = repack(raw, tid, n, k, pieces=PAIRED_Q4_K if args.pieces == "paired" and name == "Q4_K" else None)
+        w = repack(raw, tid, n, k)
         rotation = [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(copies_for(raw.numel()) - 1)]
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda")

@@ -16,7 +16,7 @@ import json
 import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
-from vegaserve.triton_kernels.layout import PAIRED_Q4_K, repack, unpack_to_canonical
+from vegaserve.triton_kernels.layout import repack, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import matvec
 from vegaserve.triton_kernels.matvec_flat import flat_params
 from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
@@ -31,14 +31,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--kernel", choices=("int8", "tiles"), default="int8")
     ap.add_argument("--config", default=None, help="launch parameters as JSON (default: the tuning file's)")
-    ap.add_argument("--pieces", choices=("gguf", "paired"), default="gguf", help="Q4_K's quant piece order (layout.py)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cpu: the same under TRITON_INTERPRET=1 (a check of the script)")
     args = ap.parse_args()
     tid = {s.name: t for t, s in GGML_TYPES.items()}[args.type]
     n, k = (int(v) for v in args.shape.split("x"))
     raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(n + k)).to(args.device)
-    w = repack(raw, tid, n, k, pieces=PAIRED_Q4_K if args.pieces == "paired" else None)
+    w = repack(raw, tid, n, k)
     x = torch.randn(args.m, k, device=args.device)
     tuning = load_tuning()
     if args.kernel == "int8":

@@ -140,15 +140,15 @@ def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WO
 
 
 @triton.jit
-def q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB: tl.constexpr, PAIRED: tl.constexpr = 0):
+def q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB: tl.constexpr):
     """The Q4_K tile's groups (super-block sb, j = 0 or 1: chunks j and j + 2) from super-block `first`:
     int32 pointers to chunk j's first half [BLOCK_N, G, 4] (+ 4 words its second half, + 16 and + 20 those
-    of chunk j + 2; PAIRED (layout.PAIRED_Q4_K): + 8, + 16, + 24), byte pointers to d (f16; dmin at + 2)
-    and to scale bytes 2j, 2j + 1 (+ 4, + 8) [BLOCK_N, G], and sb, j [G]."""
+    of chunk j + 2), byte pointers to d (f16; dmin at + 2) and to scale bytes 2j, 2j + 1 (+ 4, + 8)
+    [BLOCK_N, G], and sb, j [G]."""
     g = tl.arange(0, 2 * NB)
     sb = first + g // 2
     j = g % 2
-    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * (8 >> PAIRED))[None, :, None] + tl.arange(0, 4)[None, None, :]
+    qs = word_ptrs(base, o2, r2, r64) + (sb * 32 + j * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
     dm = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
     sp = base + o1 + r64[:, None] * r1 + (sb * b1 + 2 * j)[None, :]
     return qs, dm, sp, sb, j

@@ -49,13 +49,6 @@ class Field:
     block_stride: int
 
 
-# Q4_K's 128 quant bytes as eight 16-byte pieces (chunk c, half h at 2c + h): piece p of a record in this
-# order holds canonical piece PAIRED_Q4_K[p]. The int8 mat-vec's lanes read chunks j and j + 2 (j = 0, 1)
-# in four 16-byte loads; in this order the two lanes of a super-block read neighbouring pieces, one 32-byte
-# sector per pair of lanes instead of half a sector per lane. Its own inverse.
-PAIRED_Q4_K = (0, 2, 1, 3, 4, 6, 5, 7)
-
-
 @dataclass
 class PackedWeight:
     """A [N, K] matrix of one GGUF type on the device, in either layout."""
@@ -66,7 +59,6 @@ class PackedWeight:
     k: int
     fields: tuple[Field, ...]
     repacked: bool
-    pieces: tuple[int, ...] | None = None  # the quant field's 16-byte pieces reordered (PAIRED_Q4_K), or as GGUF
 
     @property
     def type_name(self) -> str:
@@ -98,24 +90,11 @@ def canonical(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
     return PackedWeight(raw.reshape(-1), type_id, n, k, fields, repacked=False)
 
 
-def _reorder_pieces(qs: torch.Tensor, pieces: tuple[int, ...]) -> torch.Tensor:
-    """[..., len(pieces) * 16] quant records -> the same with 16-byte piece p taken from pieces[p]."""
-    shape = qs.shape
-    return qs.reshape(*shape[:-1], len(pieces), 16)[..., list(pieces), :].reshape(shape)
-
-
-def repack(raw: torch.Tensor, type_id: int, n: int, k: int, pieces: tuple[int, ...] | None = None) -> PackedWeight:
-    """Gather each field into its own aligned plane, the quant field's 16-byte pieces in `pieces`' order if
-    given. Runs where `raw` is (the GPU at load)."""
+def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
+    """Gather each field into its own aligned plane. Runs where `raw` is (the GPU at load)."""
     spec = spec_for(type_id)
     nblk = k // spec.block_size
     blocks = raw.reshape(n, nblk, spec.type_size)
-    if pieces is not None:
-        name, off, size = FIELDS[spec.name][-1]
-        if name != "qs" or size != 16 * len(pieces):
-            raise ValueError(f"{spec.name}: no {len(pieces)}-piece quant field to reorder")
-        blocks = blocks.clone()
-        blocks[:, :, off:] = _reorder_pieces(blocks[:, :, off:], pieces)
     plan = []
     total = 0
     for _, off, size in FIELDS[spec.name]:
@@ -128,7 +107,7 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int, pieces: tuple[int, .
         plane = data[start : start + row_stride * n].view(n, row_stride)
         plane[:, : nblk * size] = blocks[:, :, off : off + size].reshape(n, nblk * size)
         fields.append(Field(start, row_stride, size))
-    return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True, pieces=pieces)
+    return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
 
 
 def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
@@ -141,7 +120,4 @@ def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
     for (_, off, size), f in zip(FIELDS[spec.name], w.fields, strict=True):
         plane = w.data[f.offset : f.offset + f.row_stride * w.n].view(w.n, f.row_stride)
         out[:, :, off : off + size] = plane[:, : nblk * size].reshape(w.n, nblk, size)
-    if w.pieces is not None:
-        off = FIELDS[spec.name][-1][1]
-        out[:, :, off:] = _reorder_pieces(out[:, :, off:].clone(), tuple(sorted(range(len(w.pieces)), key=w.pieces.__getitem__)))
     return out.view(w.n, -1)

@@ -45,7 +45,7 @@ from vegaserve.triton_kernels.flat_words import (
     store_rows,
     zero_rows,
 )
-from vegaserve.triton_kernels.layout import PAIRED_Q4_K, PackedWeight
+from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
@@ -273,14 +273,12 @@ def _legacy_kernel(
 
 
 @triton.jit
-def _q4_k_tile(qs, dm, sp, PAIRED: tl.constexpr):
-    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group (PAIRED:
-    the pieces in layout.PAIRED_Q4_K's order, each run's two groups side by side)."""
+def _q4_k_tile(qs, dm, sp):
+    """Loads of one Q4_K tile: d, dmin, the scale words, and the four 16-byte runs of each group."""
     d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
     a, b, c = q4_k_scale_words(sp)
-    H: tl.constexpr = 4 << PAIRED  # the second half of a chunk
-    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + H), tl.load(qs + 16), tl.load(qs + 16 + H)
+    return d, dmin, a, b, c, tl.load(qs), tl.load(qs + 4), tl.load(qs + 16), tl.load(qs + 20)
 
 
 @triton.jit
@@ -395,14 +393,14 @@ def _q4_k_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, STAGE: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     # groups as in matvec_flat: (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and
     # 2j + 4, 2j + 5); byte l of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
     G: tl.constexpr = 2 * NB
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB, PAIRED)
+    qs, dm, sp, sb, j = q4_k_groups(base, o0, r0, b0, o1, r1, b1, o2, r2, r64, first, NB)
     xw = (sb * 64 + j * 16)[:, None] + tl.arange(0, 4)[None, :]  # int32 word of sub-block 2j's first element
     # q8_1 block of sub-block 2j, [BLOCK_N, G] (the same for every row): loaded in the accumulators'
     # shape, a [1, G] load got a layout of its own and a conversion through shared memory per row of x
@@ -413,12 +411,12 @@ def _q4_k_kernel(
     w0 = first * 64  # the tile's first activation word and q8_1 block (STAGED)
     b0_x = first * 8
     if CARRY:
-        tile = _q4_k_tile(qs, dm, sp, PAIRED)
+        tile = _q4_k_tile(qs, dm, sp)
         pdl.wait_for_inputs(PDL)  # the weight loads before it overlap the previous kernel's end
         acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q4_k_tile(qs, dm, sp, PAIRED)
+            tile = _q4_k_tile(qs, dm, sp)
             pdl.wait_for_inputs(PDL)  # a no-op after the first
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
         more = it + 1 < n_iter
@@ -431,7 +429,7 @@ def _q4_k_kernel(
         w0 += _advance(more, NB * 64, CARRY)
         b0_x += _advance(more, NB * 8, CARRY)
         if CARRY:
-            tile = _q4_k_tile(qs, dm, sp, PAIRED)  # the next tile's loads (ptxas issues them mid-loop)
+            tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
@@ -565,8 +563,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     if w.type_id not in (Q4_K, Q6_K):
         type_args = {**type_args, "FLAT": plan.params.get("flat", 1)}  # 1.2-1.5x on the 8B shapes (Triton 3.6)
     if w.type_id == Q4_K:
-        type_args = {**type_args, "STAGE": plan.params.get("stage", 1),  # 1.04-1.09x on the 8B shapes
-                     "PAIRED": int(w.pieces == PAIRED_Q4_K)}
+        type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)
     kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,

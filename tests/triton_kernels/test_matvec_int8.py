@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
-from vegaserve.triton_kernels.layout import PAIRED_Q4_K, repack, unpack_to_canonical
+from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts
 from vegaserve.triton_kernels.matvec_int8 import (
@@ -106,23 +106,6 @@ def test_flat_quant_loads_give_the_per_block_loads_sums(name):
         x = torch.randn(m, 1024, generator=gen).to(DEVICE)
         cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": quantize_q8_1(x)}
         assert torch.equal(matvec_int8(x, w, flat=1, **cfg), matvec_int8(x, w, flat=0, **cfg))
-
-
-@pytest.mark.parametrize("nb, split_k, carry, stage", [(8, 1, 1, 1), (2, 2, 0, 0), (16, 2, 1, 1)])
-def test_q4_k_paired_pieces_give_the_gguf_order_sums(nb, split_k, carry, stage):
-    """The repacked quant plane in PAIRED_Q4_K's order holds the same bytes (unpacked back to the GGUF
-    rows exactly) and the kernel reading it forms the same products, bitwise, at 1, 2 and 8 rows."""
-    tid = IDS["Q4_K"]
-    raw = random_blocks(tid, 24, 8, torch.Generator().manual_seed(10))
-    plain, paired = repack(raw.to(DEVICE), tid, 24, 2048), repack(raw.to(DEVICE), tid, 24, 2048, pieces=PAIRED_Q4_K)
-    assert torch.equal(unpack_to_canonical(paired).cpu(), raw.view(24, -1))
-    assert not torch.equal(paired.data, plain.data)
-    gen = torch.Generator().manual_seed(11)
-    for m in (1, 2, 8):
-        x = torch.randn(m, 2048, generator=gen).to(DEVICE)
-        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "stage": stage,
-               "q8_1": quantize_q8_1(x)}
-        assert torch.equal(matvec_int8(x, paired, **cfg), matvec_int8(x, plain, **cfg))
 
 
 @triton.jit
