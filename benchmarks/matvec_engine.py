@@ -5,6 +5,7 @@ memory is not what holds it back). No sweep, so it is quick, and it runs against
 importable: the same script times two trees in one call (PYTHONPATH), a change against its baseline.
 
     python benchmarks/matvec_engine.py [--shapes Q4_K:28672x4096,...] [--ms 1,8] [--label NAME] [--json out.json]
+        [--extra '{"block_n": 32};{"pieces": 1}']   (variants: launch parameters over the tuning file's)
 
 Each result is checked against the product on the dequantized q8_1 activation (relative error < 1e-4)
 before it is timed. % = weight bytes per second against the copy bandwidth measured in the same run.
@@ -39,13 +40,15 @@ def main() -> None:
     ap.add_argument("--ms", default="1")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--extra", default=None, help="launch parameters over the tuning file's, as JSON (e.g. a variant)")
+    ap.add_argument("--extra", default=None,
+                    help="variants: launch parameters over the tuning file's, JSON objects separated by ';' "
+                         "(each timed on the same weights; {} is the tuning file's own)")
     args = ap.parse_args()
-    extra = json.loads(args.extra) if args.extra else {}
+    variants = [json.loads(v) for v in args.extra.split(";")] if args.extra else [{}]
     bw = copy_bandwidth()
     print(f"{args.label}: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| type | shape | M | int8 mat-vec | % copy bw | q8_1 quantize | same copy each call (L2) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| type | shape | M | variant | int8 mat-vec | % copy bw | q8_1 quantize | same copy each call (L2) |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for item in args.shapes.split(","):
         name, shape = item.split(":")
@@ -55,23 +58,23 @@ def main() -> None:
         dense = dequantize(raw.reshape(-1), tid, (n, k))
         w = repack(raw, tid, n, k)
         rotation = [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(copies_for(raw.numel()) - 1)]
-        for m in (int(v) for v in args.ms.split(",")):
+        for m, extra in ((int(v), e) for v in args.ms.split(",") for e in variants):
             x = torch.randn(m, k, device="cuda")
             q8 = quantize_q8_1(x)
             xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
             ref = xd @ dense.T
             err = float((matvec_int8(x, w, q8_1=q8, **extra) - ref).norm() / ref.norm())
             if not err < 1e-4:
-                raise SystemExit(f"{name} {shape} M={m}: relative error {err:.2e}")
+                raise SystemExit(f"{name} {shape} M={m} {extra}: relative error {err:.2e}")
             t = bench_graph([lambda wi=wi: matvec_int8(x, wi, q8_1=q8, **extra) for wi in rotation])
             t_q = bench_graph([lambda: quantize_q8_1(x)] * len(rotation))
             # one copy read again and again: from L2 where it fits (60 MB on an H200), the rate the kernel
             # reaches when memory is not what holds it back
             t_hot = bench_graph([lambda: matvec_int8(x, w, q8_1=q8, **extra)] * len(rotation))
-            print(f"| {name} | {shape} | {m} | {t * 1e3:.1f} us | {raw.numel() / (t * 1e-3) / bw:.1%} | "
+            print(f"| {name} | {shape} | {m} | {json.dumps(extra)} | {t * 1e3:.1f} us | {raw.numel() / (t * 1e-3) / bw:.1%} | "
                   f"{t_q * 1e3:.1f} us | {t_hot * 1e3:.1f} us |", flush=True)
-            rows.append({"label": args.label, "type": name, "n": n, "k": k, "m": m, "bytes": raw.numel(), "ms": t,
-                         "q8_1_ms": t_q, "hot_ms": t_hot, "copy_bw": bw, "err": err})
+            rows.append({"label": args.label, "type": name, "n": n, "k": k, "m": m, "variant": extra,
+                         "bytes": raw.numel(), "ms": t, "q8_1_ms": t_q, "hot_ms": t_hot, "copy_bw": bw, "err": err})
         del rotation, w
     if args.json:
         with open(args.json, "w") as f:

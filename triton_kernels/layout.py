@@ -7,8 +7,9 @@ addressed, for row r and block b of the matrix, at
 
 Canonical layout: one buffer, the GGUF rows as they are; every field has row_stride = bytes per row and
 block_stride = the block size in bytes, offset = the field's place inside the block.
-Repacked layout: each field in its own plane, a plane's rows contiguous and starting at 16-byte aligned
-addresses, block_stride = the field's size; so quants load as wide vectors and scales as short runs.
+Repacked layout: each field in its own plane (the K-quants' d, dmin and scales together, one 16-byte head
+record a block: HEAD), a plane's rows contiguous and starting at 16-byte aligned addresses, block_stride =
+the record's size; so quants load as wide vectors and scales as short runs.
 Both describe the same bytes, so one dequantizing tile function per type serves both layouts; repacking
 is a gather of bytes (done on the device at load) and costs at most 15 bytes of padding per row and plane.
 """
@@ -40,6 +41,12 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "BF16": (("w", 0, 2),),
     "F32": (("w", 0, 4),),
 }
+
+
+# fields that share one plane, a record of their bytes per block: the K-quants' d, dmin and 12 scale bytes
+# are one 16-byte head record, which a kernel loads as four words with the lanes of a warp along the row
+# (matvec_int8's Q4_K pieces kernel); every other field has a plane of its own
+HEAD = {"Q4_K": ("dm", "scales"), "Q5_K": ("dm", "scales")}
 
 
 @dataclass(frozen=True)
@@ -95,19 +102,34 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
     spec = spec_for(type_id)
     nblk = k // spec.block_size
     blocks = raw.reshape(n, nblk, spec.type_size)
+    planes = _planes(spec.name)
     plan = []
     total = 0
-    for _, off, size in FIELDS[spec.name]:
+    for off, size, _ in planes:
         row_stride = _round_up(nblk * size, ALIGN)
         plan.append((off, size, total, row_stride))
         total += row_stride * n
     data = torch.zeros(total, dtype=torch.uint8, device=raw.device)
     fields = []
-    for off, size, start, row_stride in plan:
+    for (off, size, members), (_, _, start, row_stride) in zip(planes, plan, strict=True):
         plane = data[start : start + row_stride * n].view(n, row_stride)
         plane[:, : nblk * size] = blocks[:, :, off : off + size].reshape(n, nblk * size)
-        fields.append(Field(start, row_stride, size))
+        fields += [Field(start + f_off - off, row_stride, size) for f_off in members]
     return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
+
+
+def _planes(type_name: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The repacked planes of a type, in field order: (offset in the block, record size, offsets of the
+    fields in it). The fields of a plane are neighbours in the block (HEAD)."""
+    shared = HEAD.get(type_name, ())
+    planes: list[tuple[int, int, tuple[int, ...]]] = []
+    for name, off, size in FIELDS[type_name]:
+        if name in shared[1:]:
+            first, record, members = planes[-1]
+            planes[-1] = (first, record + size, (*members, off))
+        else:
+            planes.append((off, size, (off,)))
+    return planes
 
 
 def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
@@ -117,7 +139,11 @@ def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
     if not w.repacked:
         return w.data.view(w.n, -1)
     out = torch.empty(w.n, nblk, spec.type_size, dtype=torch.uint8, device=w.data.device)
-    for (_, off, size), f in zip(FIELDS[spec.name], w.fields, strict=True):
+    fields = iter(w.fields)
+    for off, size, members in _planes(spec.name):
+        f = next(fields)  # the plane's first field starts its record
+        for _ in members[1:]:
+            next(fields)
         plane = w.data[f.offset : f.offset + f.row_stride * w.n].view(w.n, f.row_stride)
         out[:, :, off : off + size] = plane[:, : nblk * size].reshape(w.n, nblk, size)
     return out.view(w.n, -1)

@@ -436,6 +436,113 @@ def _q4_k_kernel(
 
 
 @triton.jit
+def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Loads of one Q4_K tile, each a contiguous run per row (so the lanes of a warp go along the row): the
+    quant words as [BLOCK_N, 8 NB, 4] (16-byte piece p = 8 sb + 2c + h: half h of 32-byte chunk c of
+    super-block sb) and the four words of each super-block's head record (dm, the 12 scale bytes) as
+    dm, a, b, c [BLOCK_N, NB]."""
+    q = tl.reshape(tl.load(qs), [BLOCK_N, NB * 8, 4])
+    dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
+    return q, dm, a, b, c
+
+
+@triton.jit
+def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr):
+    """One row of x for a pieces tile, from contiguous loads: the int32 words the low and the high nibbles
+    of each piece multiply (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB])."""
+    # word sb * 64 + c * 16 + k * 8 + h * 4 + w (k = 0: the low nibbles' sub-block 2c, 1: the high's 2c + 1)
+    xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 4, 2, 2, 4)), (0, 1, 3, 4, 2))
+    xl, xh = tl.split(xt)  # [NB, c, h, w]
+    xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
+    xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+    dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
+    sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
+    # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
+    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+    sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
+    sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
+    return xl, xh, dl, dh, sl, sh
+
+
+@triton.jit
+def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NB: tl.constexpr, DOT: tl.constexpr):
+    """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
+    their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece."""
+    q, dm, a, b, c = tile
+    P: tl.constexpr = NB * 8
+    pp = tl.arange(0, 8)
+    shift = ((pp // 2) % 2 * 16)[None, None, :]  # scale bytes 2c, 2c + 1 of the pair's word
+    upper = (pp >= 4)[None, None, :]  # chunks 2, 3: sub-blocks 4..7, six bits from two places
+    a3 = a[:, :, None] >> shift
+    b3 = b[:, :, None] >> shift
+    c3 = c[:, :, None] >> shift
+    sc = tl.where(upper, (c3 & 0x0F0F) | ((a3 >> 2) & 0x3030), a3 & 0x3F3F)  # sc[2c] | sc[2c + 1] << 8
+    mn = tl.where(upper, ((c3 >> 4) & 0x0F0F) | ((b3 >> 2) & 0x3030), b3 & 0x3F3F)
+    d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+    dmin = tl.where((pp % 2 == 0)[None, None, :],
+                    (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None], 0.0)
+    sc_lo = tl.reshape(d * (sc & 0xFF).to(tl.float32), (BLOCK_N, P))
+    sc_hi = tl.reshape(d * (sc >> 8).to(tl.float32), (BLOCK_N, P))
+    mn_lo = tl.reshape(dmin * (mn & 0xFF).to(tl.float32), (BLOCK_N, P))
+    mn_hi = tl.reshape(dmin * (mn >> 8).to(tl.float32), (BLOCK_N, P))
+    words = split4(q)  # byte t of word i: element 16h + 4i + t of sub-block 2c (low nibble), 2c + 1 (high)
+    lo = ()
+    hi = ()
+    for i in tl.static_range(4):
+        lo = lo + (words[i] & 0x0F0F0F0F,)
+        hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
+    new = ()
+    for m in tl.static_range(M):
+        xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
+                                                  sx_ptr + m * (K // 32), w0, b0, NB)
+        s_lo = tl.zeros([BLOCK_N, P], dtype=tl.int32)
+        s_hi = tl.zeros([BLOCK_N, P], dtype=tl.int32)
+        for i in tl.static_range(4):
+            s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+            s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+        new = new + (acc[m] + sc_lo * dl * s_lo.to(tl.float32) + sc_hi * dh * s_hi.to(tl.float32)
+                     - mn_lo * sl - mn_hi * sh,)
+    return new
+
+
+@triton.jit
+def _q4_k_pieces_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr,
+):
+    """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
+    (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
+    pdl.let_next_start(PDL)
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    qs = (base + o2 + r64[:, None] * r2).to(tl.pointer_type(tl.int32)) + (first * 32 + tl.arange(0, NB * 32))[None, :]
+    hd = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first * 4 + tl.arange(0, NB * 4))[None, :]
+    w0 = first * 64  # the tile's first activation word and q8_1 block
+    bx = first * 8
+    acc = zero_rows(M, BLOCK_N, NB * 8)
+    if CARRY:
+        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
+        pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
+        more = it + 1 < n_iter
+        qs += _advance(more, NB * 32, CARRY)
+        hd += _advance(more, NB * 4, CARRY)
+        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, M, BLOCK_N, NB, DOT)
+        w0 += NB * 64
+        bx += NB * 8
+        if CARRY:
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)  # the next tile's loads
+    pdl.wait_for_inputs(PDL)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
+@triton.jit
 def _minus_32(code):
     """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
     return (code + 0x60606060) ^ -0x7F7F7F80
@@ -544,7 +651,7 @@ def dot_kind(device: torch.device) -> int:
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
-                stage: int | None = None, flat: int | None = None,
+                stage: int | None = None, flat: int | None = None, pieces: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
@@ -556,13 +663,15 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
-                                                        "flat": flat})
+                                                        "flat": flat, "pieces": pieces})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
     if w.type_id not in (Q4_K, Q6_K):
         type_args = {**type_args, "FLAT": plan.params.get("flat", 1)}  # 1.2-1.5x on the 8B shapes (Triton 3.6)
-    if w.type_id == Q4_K:
+    if w.type_id == Q4_K and plan.params.get("pieces", 0) and w.fields[1].offset == w.fields[0].offset + 4:
+        kernel, type_args = _q4_k_pieces_kernel, {}
+    elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)
     kernel[plan.grid(w.n)](

@@ -108,6 +108,23 @@ def test_flat_quant_loads_give_the_per_block_loads_sums(name):
         assert torch.equal(matvec_int8(x, w, flat=1, **cfg), matvec_int8(x, w, flat=0, **cfg))
 
 
+@pytest.mark.parametrize("nb, split_k, carry", [(2, 1, 1), (4, 2, 0), (8, 1, 0)])
+def test_q4_k_pieces_kernel_matches_the_reference(nb, split_k, carry):
+    """pieces 1: Q4_K's quant words and head records loaded along each row, the scales decoded per 16-byte
+    piece, the min term once a sub-block: the reference's product at 1, 3 and 8 rows, odd N."""
+    tid = IDS["Q4_K"]
+    raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(14))
+    w, ref_w = repack(raw.to(DEVICE), tid, 21, 2048), repack(raw, tid, 21, 2048)
+    gen = torch.Generator().manual_seed(15)
+    for m in (1, 3, 8):
+        x = torch.randn(m, 2048, generator=gen).to(DEVICE)
+        q8 = quantize_q8_1(x)
+        y = matvec_int8(x, w, block_n=8, nb=nb * 8, split_k=split_k, num_warps=1, carry=carry, pieces=1, q8_1=q8)
+        assert torch.isfinite(y).all()
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 @triton.jit
 def _lookup_kernel(q_ptr, lo_ptr, hi_ptr, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr):
     i = tl.arange(0, 256)
