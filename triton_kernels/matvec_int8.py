@@ -656,11 +656,12 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
     iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
-    stage 1 (Q4_K at M = 1): the tile's activations in two contiguous loads, redistributed through shared
-    memory, instead of a load per group (the default). flat 1 (32-element types): each row's quant words
-    of a tile in one contiguous load, which puts the lanes of a warp along the row (the default; flat 0:
-    a [rows, blocks, 4] load, whose lanes Triton 3.6 lays across 16 rows, a cache line each). Unset launch parameters: the tuning file's
-    "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
+    flat 1 (32-element types): each row's quant words of a tile in one contiguous load, which puts the
+    lanes of a warp along the row (flat 0: a [rows, blocks, 4] load, whose lanes Triton 3.6 lays across 16
+    rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
+    takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
+    stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
+    Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces})
@@ -668,9 +669,10 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
     if w.type_id not in (Q4_K, Q6_K):
-        type_args = {**type_args, "FLAT": plan.params.get("flat", 1)}  # 1.2-1.5x on the 8B shapes (Triton 3.6)
-    if w.type_id == Q4_K and plan.params.get("pieces", 0) and w.fields[1].offset == w.fields[0].offset + 4:
-        kernel, type_args = _q4_k_pieces_kernel, {}
+        # 1.24-1.50x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
+        type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
+    if w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
+        kernel, type_args = _q4_k_pieces_kernel, {}  # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)

@@ -87,7 +87,7 @@ def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, c
     for m in (1, 2):
         x = torch.randn(m, k, generator=gen).to(DEVICE)
         q8 = quantize_q8_1(x)
-        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": q8}
+        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "pieces": 0, "q8_1": q8}
         staged, per_group = matvec_int8(x, w, stage=1, **cfg), matvec_int8(x, w, stage=0, **cfg)
         assert torch.equal(staged, per_group)
         ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
