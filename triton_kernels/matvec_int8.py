@@ -627,6 +627,110 @@ def _q6_k_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
+@triton.jit
+def _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Loads of one Q6_K tile, each a contiguous run per row: the ql words as [BLOCK_N, 8 NB, 4] (16-byte
+    piece p = 8 sb + 4h + u: ql bytes 64h + 16u ..), the qh words that go with each piece (qh bytes
+    32h + 16 (u % 2) .., each qh run serving two pieces), the scale words [BLOCK_N, NB] x 4 and d."""
+    ql = tl.reshape(tl.load(ql_p), [BLOCK_N, NB * 8, 4])
+    qh = tl.reshape(tl.load(qh_p), [BLOCK_N, NB, 2, 1, 2, 4])  # (sb, h, -, u % 2, w)
+    qh = tl.reshape(tl.broadcast_to(qh, [BLOCK_N, NB, 2, 2, 2, 4]), [BLOCK_N, NB * 8, 4])  # (sb, h, u // 2, u % 2)
+    s0, s1, s2, s3 = split4(tl.reshape(tl.load(sp), [BLOCK_N, NB, 4]))
+    d = tl.load(dp).to(tl.float32)
+    return ql, qh, s0, s1, s2, s3, d
+
+
+@triton.jit
+def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr):
+    """One row of x for a Q6_K pieces tile from contiguous loads: the words the low nibbles (elements
+    128h + 16u ..) and the high nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their
+    q8_1 scales [1, 8 NB]."""
+    # word sb * 64 + 32h + 16k + 4u + w (k = 0: low nibbles, 1: high)
+    xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 2, 2, 4, 4)), (0, 1, 3, 4, 2))
+    xl, xh = tl.split(xt)  # [NB, h, u, w]
+    xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
+    xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+    # q8_1 block sb * 8 + 4h + 2k + u // 2
+    v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
+    dl, dh = tl.split(v)  # [NB, h, u // 2]
+    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+    return xl, xh, dl, dh
+
+
+@triton.jit
+def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NB: tl.constexpr, DOT: tl.constexpr):
+    """A Q6_K pieces tile's products: each piece's 16 low-nibble codes (sub-block 8h + u) and 16
+    high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2)."""
+    ql, qh, s0, s1, s2, s3, d = tile
+    P: tl.constexpr = NB * 8
+    pp = tl.arange(0, 8)
+    first = (pp < 4)[None, None, :]  # h = 0
+    byte = (8 * (pp % 4))[None, None, :]
+    sc_lo = tl.where(first, s0[:, :, None], s2[:, :, None])  # scale byte 8h + u, then 8h + 4 + u
+    sc_hi = tl.where(first, s1[:, :, None], s3[:, :, None])
+    sc_lo = tl.reshape(d[:, :, None] * (((sc_lo << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
+    sc_hi = tl.reshape(d[:, :, None] * (((sc_hi << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
+    shift = tl.reshape(tl.broadcast_to((2 * ((pp % 4) // 2))[None, None, :], (1, NB, 8)), (1, P))
+    lq = split4(ql)
+    hq = split4(qh)
+    lo = ()
+    hi = ()
+    for i in tl.static_range(4):
+        h2 = hq[i] >> shift
+        lo = lo + (_minus_32((lq[i] & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)),)
+        hi = hi + (_minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
+    new = ()
+    for m in tl.static_range(M):
+        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
+        s_lo = tl.zeros([BLOCK_N, P], dtype=tl.int32)
+        s_hi = tl.zeros([BLOCK_N, P], dtype=tl.int32)
+        for i in tl.static_range(4):
+            s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+            s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+        new = new + (acc[m] + sc_lo * dl * s_lo.to(tl.float32) + sc_hi * dh * s_hi.to(tl.float32),)
+    return new
+
+
+@triton.jit
+def _q6_k_pieces_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr,
+):
+    """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
+    pdl.let_next_start(PDL)
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    ql_p = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first * 32 + tl.arange(0, NB * 32))[None, :]
+    qh_p = (base + o1 + r64[:, None] * r1).to(tl.pointer_type(tl.int32)) + (first * 16 + tl.arange(0, NB * 16))[None, :]
+    sp = (base + o2 + r64[:, None] * r2).to(tl.pointer_type(tl.int32)) + (first * 4 + tl.arange(0, NB * 4))[None, :]
+    dp = (base + o3 + r64[:, None] * r3).to(tl.pointer_type(tl.float16)) + (first + tl.arange(0, NB))[None, :]
+    w0 = first * 64
+    bx = first * 8
+    acc = zero_rows(M, BLOCK_N, NB * 8)
+    if CARRY:
+        tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
+        pdl.wait_for_inputs(PDL)
+        more = it + 1 < n_iter
+        ql_p += _advance(more, NB * 32, CARRY)
+        qh_p += _advance(more, NB * 16, CARRY)
+        sp += _advance(more, NB * 4, CARRY)
+        dp += _advance(more, NB, CARRY)
+        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, M, BLOCK_N, NB, DOT)
+        w0 += NB * 64
+        bx += NB * 8
+        if CARRY:
+            tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
+    pdl.wait_for_inputs(PDL)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
 _LEGACY = {"TABLE": 0, "E8M0": False}
 _KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
@@ -673,6 +777,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
     if w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
         kernel, type_args = _q4_k_pieces_kernel, {}  # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x
+    elif w.type_id == Q6_K and plan.params.get("pieces", 0):
+        kernel, type_args = _q6_k_pieces_kernel, {}
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)

@@ -97,22 +97,31 @@ def test_q4_k_staged_activations_give_the_per_group_loads_sums(k, nb, split_k, c
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL", "MXFP4"])
 def test_flat_quant_loads_give_the_per_block_loads_sums(name):
     """flat 1 loads each row's quant words of a tile as one run and reshapes it to the blocks (Q8_0: and
-    splits the halves); the products must be those of the per-block loads, bitwise, at 1 and 8 rows."""
+    splits the halves); both loads must give the reference's products at 1 and 8 rows (bitwise the same
+    under the interpreter; on a GPU the lanes differ, and with them the order of the final row sums)."""
     tid = IDS[name]
     raw = random_blocks(tid, 24, 32, torch.Generator().manual_seed(12))
-    w = repack(raw.to(DEVICE), tid, 24, 1024)
+    w, ref_w = repack(raw.to(DEVICE), tid, 24, 1024), repack(raw, tid, 24, 1024)
     gen = torch.Generator().manual_seed(13)
     for m, nb, split_k, carry in ((1, 8, 2, 1), (8, 16, 1, 0)):
         x = torch.randn(m, 1024, generator=gen).to(DEVICE)
-        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": quantize_q8_1(x)}
-        assert torch.equal(matvec_int8(x, w, flat=1, **cfg), matvec_int8(x, w, flat=0, **cfg))
+        q8 = quantize_q8_1(x)
+        cfg = {"block_n": 8, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "q8_1": q8}
+        flat, per_block = matvec_int8(x, w, flat=1, **cfg), matvec_int8(x, w, flat=0, **cfg)
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        for y in (flat, per_block):
+            assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+        if dot_kind(x.device) == 0:
+            assert torch.equal(flat, per_block)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("nb, split_k, carry", [(2, 1, 1), (4, 2, 0), (8, 1, 0)])
-def test_q4_k_pieces_kernel_matches_the_reference(nb, split_k, carry):
-    """pieces 1: Q4_K's quant words and head records loaded along each row, the scales decoded per 16-byte
-    piece, the min term once a sub-block: the reference's product at 1, 3 and 8 rows, odd N."""
-    tid = IDS["Q4_K"]
+def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
+    """pieces 1: the quant words and scale records loaded along each row, the scales decoded per 16-byte
+    piece (Q4_K: the min term once a sub-block; Q6_K: each piece's qh bits from the run it shares with
+    another piece): the reference's product at 1, 3 and 8 rows, odd N."""
+    tid = IDS[name]
     raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(14))
     w, ref_w = repack(raw.to(DEVICE), tid, 21, 2048), repack(raw, tid, 21, 2048)
     gen = torch.Generator().manual_seed(15)
