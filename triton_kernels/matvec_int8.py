@@ -777,8 +777,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
     if w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
         kernel, type_args = _q4_k_pieces_kernel, {}  # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x
-    elif w.type_id == Q6_K and plan.params.get("pieces", 0):
-        kernel, type_args = _q6_k_pieces_kernel, {}
+    elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
+        kernel, type_args = _q6_k_pieces_kernel, {}  # M = 1: 1.3-2.8x with block_n 8 (the tuning file's)
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)
