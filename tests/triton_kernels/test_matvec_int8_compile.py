@@ -1,4 +1,5 @@
-"""The int8-dot mat-vec kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
+"""The int8-dot mat-vec kernels (the 32-element types' with their flat loads, and both K-quant kernels:
+groups and pieces) compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
 instructions in them: dp4a and prmt (the level tables) in the PTX, v_dot4_i32_i8 and v_perm_b32 in the
 AMDGCN assembly. The interpreter runs the integer emulation of those instructions, so only a compiler sees
 the inline assembly; these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
@@ -25,12 +26,14 @@ types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", 
          "out_ptr": "*fp32", "count_ptr": "*i32"}
 common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False)
 kernels = {
-    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False)),
-    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False)),
-    "IQ4_NL": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=1, E8M0=False)),
-    "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True)),
+    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
+    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
+    "IQ4_NL": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=1, E8M0=False, FLAT=1)),
+    "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True, FLAT=1)),
     "Q4_K": (mv._q4_k_kernel, dict(NB=8, STAGE=1)),
     "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
+    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8)),
+    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
 }
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
@@ -44,9 +47,11 @@ print("compiled")
 
 WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
-             "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"}},
+             "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
+             "Q4_K_pieces": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
-            "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"}},
+            "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
+            "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces": {"v_dot4_i32_i8"}},
 }
 
 
