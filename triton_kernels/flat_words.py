@@ -77,6 +77,14 @@ def word_ptrs(base, off, rs, r64):
 
 
 @triton.jit
+def row_runs(base, off, rs, r64, start, LENGTH: tl.constexpr, PTR: tl.constexpr):
+    """Pointers (element type PTR) to LENGTH consecutive elements of each row of a plane from element
+    `start`, [BLOCK_N, LENGTH]: one contiguous run per row, which Triton's coalescing lays along the row
+    (see block_planes' FLAT)."""
+    return (base + off + r64[:, None] * rs).to(tl.pointer_type(PTR)) + (start + tl.arange(0, LENGTH))[None, :]
+
+
+@triton.jit
 def program_rows(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE: tl.constexpr):
     """This program's rows (for the store), rows clamped to N - 1 in int64 (for loads), first block of its
     K split and the number of tiles in it."""
@@ -133,7 +141,7 @@ def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WO
     fourth sitting)."""
     g = tl.arange(0, NB)
     if FLAT:  # [BLOCK_N, NB * WORDS]: one contiguous run per row, so the lanes of a warp go along it
-        qs = (base + o_q + r64[:, None] * r_q).to(tl.pointer_type(tl.int32)) + (first * WORDS + tl.arange(0, NB * WORDS))[None, :]
+        qs = row_runs(base, o_q, r_q, r64, first * WORDS, NB * WORDS, tl.int32)
     else:
         qs = word_ptrs(base, o_q, r_q, r64) + ((first + g) * WORDS)[None, :, None] + tl.arange(0, 4)[None, None, :]
     return qs, base + o_d + r64[:, None] * r_d + (first + g)[None, :] * b_d

@@ -36,6 +36,7 @@ from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
     program_rows,
+    row_runs,
     q4_k_groups,
     q4_k_scale_decode,
     q4_k_scale_words,
@@ -160,6 +161,18 @@ def _advance(more, step, CARRY: tl.constexpr):
 
 
 @triton.jit
+def _low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr):
+    """The integer sums of four words of low codes and four of high codes against their activation words
+    ([BLOCK_N, G] each; the activations [1, G] broadcast over the rows), as f32."""
+    s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+    s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+    for i in tl.static_range(4):
+        s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+        s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+    return s_lo.to(tl.float32), s_hi.to(tl.float32)
+
+
+@triton.jit
 def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr = 0):
     """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale) and
     HALVES 16-byte runs of each block."""
@@ -241,7 +254,7 @@ def _legacy_kernel(
     N, K, blocks_per_split,
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
-    FLAT: tl.constexpr = 0,
+    FLAT: tl.constexpr,
 ):
     """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
     levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte)."""
@@ -497,13 +510,8 @@ def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, M: tl.constex
     for m in tl.static_range(M):
         xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
                                                   sx_ptr + m * (K // 32), w0, b0, NB)
-        s_lo = tl.zeros([BLOCK_N, P], dtype=tl.int32)
-        s_hi = tl.zeros([BLOCK_N, P], dtype=tl.int32)
-        for i in tl.static_range(4):
-            s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-            s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-        new = new + (acc[m] + sc_lo * dl * s_lo.to(tl.float32) + sc_hi * dh * s_hi.to(tl.float32)
-                     - mn_lo * sl - mn_hi * sh,)
+        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT)
+        new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
     return new
 
 
@@ -519,8 +527,8 @@ def _q4_k_pieces_kernel(
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs = (base + o2 + r64[:, None] * r2).to(tl.pointer_type(tl.int32)) + (first * 32 + tl.arange(0, NB * 32))[None, :]
-    hd = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first * 4 + tl.arange(0, NB * 4))[None, :]
+    qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
+    hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
     w0 = first * 64  # the tile's first activation word and q8_1 block
     bx = first * 8
     acc = zero_rows(M, BLOCK_N, NB * 8)
@@ -577,14 +585,10 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
             xrow = xq_ptr + m * (K // 4)
             xl = _x_words(xrow, xw, 8 * gm)
             xh = _x_words(xrow, xw, 8 * gm + 16)
-            s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(4):
-                s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-                s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+            s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, G, DOT)
             xs = dx_ptr + m * (K // 32) + xb + gm
             dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
-            acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32),)
+            acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo + sc_hi * dx_hi * s_hi,)
         new = acc_g
     return new
 
@@ -684,12 +688,8 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, M: tl.constexpr, BLOC
     new = ()
     for m in tl.static_range(M):
         xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
-        s_lo = tl.zeros([BLOCK_N, P], dtype=tl.int32)
-        s_hi = tl.zeros([BLOCK_N, P], dtype=tl.int32)
-        for i in tl.static_range(4):
-            s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-            s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-        new = new + (acc[m] + sc_lo * dl * s_lo.to(tl.float32) + sc_hi * dh * s_hi.to(tl.float32),)
+        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT)
+        new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi,)
     return new
 
 
@@ -704,10 +704,10 @@ def _q6_k_pieces_kernel(
     """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    ql_p = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first * 32 + tl.arange(0, NB * 32))[None, :]
-    qh_p = (base + o1 + r64[:, None] * r1).to(tl.pointer_type(tl.int32)) + (first * 16 + tl.arange(0, NB * 16))[None, :]
-    sp = (base + o2 + r64[:, None] * r2).to(tl.pointer_type(tl.int32)) + (first * 4 + tl.arange(0, NB * 4))[None, :]
-    dp = (base + o3 + r64[:, None] * r3).to(tl.pointer_type(tl.float16)) + (first + tl.arange(0, NB))[None, :]
+    ql_p = row_runs(base, o0, r0, r64, first * 32, NB * 32, tl.int32)
+    qh_p = row_runs(base, o1, r1, r64, first * 16, NB * 16, tl.int32)
+    sp = row_runs(base, o2, r2, r64, first * 4, NB * 4, tl.int32)
+    dp = row_runs(base, o3, r3, r64, first, NB, tl.float16)
     w0 = first * 64
     bx = first * 8
     acc = zero_rows(M, BLOCK_N, NB * 8)
