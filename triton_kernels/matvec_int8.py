@@ -742,8 +742,16 @@ SUPPORTED = frozenset(_KERNELS)
 
 def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict[str, int]]:
     """The launch configs a sweep times: matvec_flat's tile candidates, each with the tile loaded ahead
-    (carry 1) and in its own iteration (carry 0)."""
-    return [{**c, "carry": carry} for c in flat_candidates(type_id, n, k, m, sm_count) for carry in (1, 0)]
+    (carry 1) and in its own iteration (carry 0); for Q4_K and Q6_K at M = 1 both kernels, the pieces
+    kernel also with 8 and 32 rows a program (its best on the H200 was often a smaller block_n than the
+    groups kernel's: Q6_K 8)."""
+    tiles = flat_candidates(type_id, n, k, m, sm_count)
+    out = [{**c, "carry": carry} for c in tiles for carry in (1, 0)]
+    if m == 1 and type_id in (Q4_K, Q6_K):
+        out = [{**c, "pieces": 0} for c in out]
+        out += [{**c, "carry": carry, "block_n": bn, "pieces": 1}
+                for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32})]
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
 
 
 def dot_kind(device: torch.device) -> int:

@@ -19,6 +19,7 @@ from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts
 from vegaserve.triton_kernels.matvec_int8 import (
     SUPPORTED,
+    candidates,
     dot_kind,
     lookup16,
     matvec_int8,
@@ -132,6 +133,16 @@ def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
         assert torch.isfinite(y).all()
         ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
         assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_sweep_times_both_k_quant_kernels_at_one_row_and_the_groups_kernel_above(name):
+    tid = IDS[name]
+    one = candidates(tid, 28672, 4096, 1, 132)
+    assert {c["pieces"] for c in one} == {0, 1} and len({tuple(sorted(c.items())) for c in one}) == len(one)
+    assert {8, 32} <= {c["block_n"] for c in one if c["pieces"]}
+    assert all(c["block_n"] >= 8 and c["block_n"] & (c["block_n"] - 1) == 0 for c in one)
+    assert not any(c.get("pieces") for c in candidates(tid, 28672, 4096, 8, 132))
 
 
 @triton.jit
