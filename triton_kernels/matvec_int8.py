@@ -551,6 +551,77 @@ def _q4_k_pieces_kernel(
 
 
 @triton.jit
+def _eighths(v):
+    """v [..., 2, 2, 2] (index s = 4 s2 + 2 s1 + s0 on the last three axes) -> its eight [...] in s order."""
+    e, o = tl.split(v)  # s0
+    e0, e1 = tl.split(e)  # s1
+    o0, o1 = tl.split(o)
+    s0, s4 = tl.split(e0)  # s2
+    s2, s6 = tl.split(e1)
+    s1, s5 = tl.split(o0)
+    s3, s7 = tl.split(o1)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _q4_k_mma_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr,
+):
+    """Q4_K for 2..8 rows of x on the matrix units: per 32-element sub-block one int8 tl.dot of the
+    weight's codes [BLOCK_N, 32] with the activation's [32, 16] (rows of x padded to 16), its int32
+    result scaled by d sc[s] dx[s] and the min term d_min m[s] sx[s] taken off, in f32. One super-block an
+    iteration (NB is 1); the quant bytes and head records loaded as contiguous runs per row."""
+    pdl.let_next_start(PDL)
+    MP: tl.constexpr = 16
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, 1)
+    qs = row_runs(base, o2, r2, r64, first * 128, 128, tl.uint8)
+    hd = row_runs(base, o0, r0, r64, first * 4, 4, tl.int32)
+    mr = tl.arange(0, MP)
+    live = (mr < M)[:, None]
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + mr[:, None] * K + first * 256 + tl.arange(0, 256)[None, :]
+    vp = mr[:, None] * (K // 32) + first * 8 + tl.arange(0, 8)[None, :]
+    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+    pdl.wait_for_inputs(PDL)
+    for it in range(0, n_iter):
+        q = tl.reshape(tl.load(qs), [BLOCK_N, 4, 32])  # byte l of chunk c: sub-block 2c (low), 2c + 1 (high)
+        dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, 1, 4]))
+        x = tl.load(xp, mask=live, other=0)
+        dx = tl.load(dx_ptr + vp, mask=live, other=0.0)
+        sx = tl.load(sx_ptr + vp, mask=live, other=0.0)
+        qs += 128
+        hd += 4
+        xp += 256
+        vp += 8
+        # codes [BLOCK_N, 32, 8] with sub-block s = 2c + nibble on the last axis
+        codes = tl.join((q & 15).to(tl.int8), (q >> 4).to(tl.int8))  # [BLOCK_N, 4, 32, 2]
+        codes = tl.reshape(tl.permute(codes, (0, 2, 1, 3)), [BLOCK_N, 32, 2, 2, 2])
+        w_s = _eighths(codes)
+        x_s = _eighths(tl.reshape(tl.permute(tl.reshape(x, [MP, 8, 32]), (2, 0, 1)), [32, MP, 2, 2, 2]))
+        dx_s = _eighths(tl.reshape(dx, [MP, 2, 2, 2]))
+        sx_s = _eighths(tl.reshape(sx, [MP, 2, 2, 2]))
+        d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        for s in tl.static_range(8):
+            if s < 4:
+                sc = (a >> (8 * s)) & 63
+                mn = (b >> (8 * s)) & 63
+            else:
+                sc = ((c >> (8 * (s - 4))) & 15) | (((a >> (8 * (s - 4) + 6)) & 3) << 4)
+                mn = ((c >> (8 * (s - 4) + 4)) & 15) | (((b >> (8 * (s - 4) + 6)) & 3) << 4)
+            prod = tl.dot(w_s[s], x_s[s], out_dtype=tl.int32)
+            acc += (prod.to(tl.float32) * (d * sc.to(tl.float32)) * dx_s[s][None, :]
+                    - (dmin * mn.to(tl.float32)) * sx_s[s][None, :])
+    out = ()
+    for m in tl.static_range(M):
+        out = out + (tl.where(mr[None, :] == m, acc, 0.0),)
+    store_rows(part_ptr, out_ptr, count_ptr, out, M, N, rows, SPLIT)
+
+
+@triton.jit
 def _minus_32(code):
     """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
     return (code + 0x60606060) ^ -0x7F7F7F80
@@ -764,6 +835,7 @@ def dot_kind(device: torch.device) -> int:
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
+                mma: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
@@ -773,17 +845,21 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block (written and checked
+    against the reference, not timed yet, so never the default).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
-                                                        "flat": flat, "pieces": pieces})
+                                                        "flat": flat, "pieces": pieces, "mma": mma})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
     if w.type_id not in (Q4_K, Q6_K):
         # 1.24-1.50x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
-    if w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
+    if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
+        kernel, type_args = _q4_k_mma_kernel, {}  # not timed yet: no default
+    elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
         kernel, type_args = _q4_k_pieces_kernel, {}  # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
         kernel, type_args = _q6_k_pieces_kernel, {}  # M = 1: 1.3-2.8x with block_n 8 (the tuning file's)

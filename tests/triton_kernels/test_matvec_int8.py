@@ -135,6 +135,23 @@ def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
         assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
+    """mma 1 (M > 1): an int8 tl.dot per 32-element sub-block, rows of x padded to 16 with zeros, scales
+    and the min term in f32: the reference's product at 2, 3 and 8 rows, odd N; M = 1 keeps its kernel."""
+    tid = IDS["Q4_K"]
+    raw = random_blocks(tid, 37, 4, torch.Generator().manual_seed(16))
+    w, ref_w = repack(raw.to(DEVICE), tid, 37, 1024), repack(raw, tid, 37, 1024)
+    gen = torch.Generator().manual_seed(17)
+    for m in (2, 3, 8):
+        x = torch.randn(m, 1024, generator=gen).to(DEVICE)
+        q8 = quantize_q8_1(x)
+        y = matvec_int8(x, w, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1, q8_1=q8)
+        assert torch.isfinite(y).all()
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_sweep_times_both_k_quant_kernels_at_one_row_and_the_groups_kernel_above(name):
     tid = IDS[name]

@@ -35,12 +35,15 @@ kernels = {
     "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8)),
     "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
 }
+if backend == "cuda":  # matrix units: gfx906 has none
+    kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
-    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32") if ins in asm]
+    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32", "mma_async.sync.aligned.m64n16k32.s32.s8.s8")
+             if ins in asm]
     print(name, " ".join(found))
 print("compiled")
 """
@@ -48,7 +51,8 @@ print("compiled")
 WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
-             "Q4_K_pieces": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"}},
+             "Q4_K_pieces": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
+             "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces": {"v_dot4_i32_i8"}},
@@ -62,3 +66,5 @@ def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(back
     for name, want in WANT[backend].items():
         assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
+    if backend == "cuda":  # Hopper's warpgroup int8 MMA for the matrix-unit kernel, one per sub-block
+        assert "dp4a.s32.s32" not in found["Q4_K_mma"]
