@@ -318,6 +318,21 @@ def test_k8s_deployment_asks_for_amd_gpus_probes_health_and_mounts_models(k8s):
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
 
 
+def test_compiled_kernels_live_on_a_volume_in_the_image_compose_and_k8s(dockerfile, compose, k8s):
+    """The image's TRITON_CACHE_DIR is a declared volume owned by the serving user, and compose and the
+    Deployment mount a volume there, so a restart does not compile the model's kernels again."""
+    stage = final_stage(dockerfile)
+    cache = env_of(stage)["TRITON_CACHE_DIR"]
+    assert cache in exec_form(one(stage, "VOLUME"))
+    assert any(kw == "RUN" and cache in args and "chown" in args for kw, args in stage)
+    vs = compose["services"]["vegaserve"]
+    source = next(src for src, dst in map(compose_volume, vs["volumes"]) if dst == cache)
+    assert source in compose["volumes"]
+    pod = k8s["Deployment"]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == cache)
+    assert mount["name"] in {v["name"] for v in pod["volumes"]}
+
+
 def test_k8s_service_selects_the_deployment_pods_and_targets_the_api_port(k8s):
     service, deployment = k8s["Service"], k8s["Deployment"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
