@@ -116,40 +116,37 @@ def test_flat_quant_loads_give_the_per_block_loads_sums(name):
             assert torch.equal(flat, per_block)
 
 
+def _matches_the_reference(name: str, n: int, k: int, rows: tuple[int, ...], seed: int, **launch) -> None:
+    """matvec_int8 with `launch` on a random [n, k] weight of type `name`, for each count of rows of x:
+    finite, and the reference's product on the same q8_1 activation within 1e-5 (relative Frobenius)."""
+    tid = IDS[name]
+    raw = random_blocks(tid, n, k // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(seed))
+    w, ref_w = repack(raw.to(DEVICE), tid, n, k), repack(raw, tid, n, k)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for m in rows:
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        q8 = quantize_q8_1(x)
+        y = matvec_int8(x, w, q8_1=q8, **launch)
+        assert torch.isfinite(y).all()
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, (name, m, launch)
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("nb, split_k, carry", [(2, 1, 1), (4, 2, 0), (8, 1, 0)])
 def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
     """pieces 1: the quant words and scale records loaded along each row, the scales decoded per 16-byte
     piece (Q4_K: the min term once a sub-block; Q6_K: each piece's qh bits from the run it shares with
     another piece): the reference's product at 1, 3 and 8 rows, odd N."""
-    tid = IDS[name]
-    raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(14))
-    w, ref_w = repack(raw.to(DEVICE), tid, 21, 2048), repack(raw, tid, 21, 2048)
-    gen = torch.Generator().manual_seed(15)
-    for m in (1, 3, 8):
-        x = torch.randn(m, 2048, generator=gen).to(DEVICE)
-        q8 = quantize_q8_1(x)
-        y = matvec_int8(x, w, block_n=8, nb=nb * 8, split_k=split_k, num_warps=1, carry=carry, pieces=1, q8_1=q8)
-        assert torch.isfinite(y).all()
-        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
-        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    _matches_the_reference(name, 21, 2048, (1, 3, 8), 14, block_n=8, nb=nb * 8, split_k=split_k, num_warps=1,
+                           carry=carry, pieces=1)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
     """mma 1 (M > 1): an int8 tl.dot per 32-element sub-block, rows of x padded to 16 with zeros, scales
-    and the min term in f32: the reference's product at 2, 3 and 8 rows, odd N; M = 1 keeps its kernel."""
-    tid = IDS["Q4_K"]
-    raw = random_blocks(tid, 37, 4, torch.Generator().manual_seed(16))
-    w, ref_w = repack(raw.to(DEVICE), tid, 37, 1024), repack(raw, tid, 37, 1024)
-    gen = torch.Generator().manual_seed(17)
-    for m in (2, 3, 8):
-        x = torch.randn(m, 1024, generator=gen).to(DEVICE)
-        q8 = quantize_q8_1(x)
-        y = matvec_int8(x, w, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1, q8_1=q8)
-        assert torch.isfinite(y).all()
-        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
-        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    and the min term in f32: the reference's product at 2, 3 and 8 rows, odd N."""
+    _matches_the_reference("Q4_K", 37, 1024, (2, 3, 8), 16, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
