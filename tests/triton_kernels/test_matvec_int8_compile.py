@@ -68,3 +68,50 @@ def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(back
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
     if backend == "cuda":  # Hopper's warpgroup int8 MMA for the matrix-unit kernel, one per sub-block
         assert "dp4a.s32.s32" not in found["Q4_K_mma"]
+
+
+LAYOUT = r"""
+import re
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import matvec_int8 as mv
+
+types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
+         "out_ptr": "*fp32", "count_ptr": "*i32"}
+common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=0, PDL=False)
+kernels = {
+    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
+    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
+    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8)),
+    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
+}
+for name, (fn, consts) in kernels.items():
+    consts = {**common, **consts}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # the launch's specialisation: pointers, offsets and row strides divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n in types or re.fullmatch(r"[or]\d|N|K", n)}
+    ttgir = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 1}).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    for shape, layout in re.findall(r"tt\.load %\S+ : tensor<(16x\d+)x!tt\.ptr<i32>, (#\w+)>", ttgir):
+        lanes = re.search(r"threadsPerWarp = \[(\d+), (\d+)\]", layouts[layout])
+        print(name, shape, lanes.group(1), lanes.group(2))
+print("compiled")
+"""
+
+
+def test_quant_word_loads_put_the_lanes_of_a_warp_along_the_row(offline_compile):
+    """The flat and pieces loads exist so that one warp instruction reads one row's contiguous run (4 cache
+    lines), not 16 rows (16): Triton 3.6 put a [rows, blocks, 4] load's lanes across rows (docs/PERF.md,
+    2026-12-04, fourth sitting). Each row-run load of the engine's M = 1 kernels, as this Triton lays it
+    out: 16 lanes or more along the row (16 bytes each), or as many as its run takes (the Q4_K head records,
+    32 words a row: 8 lanes, 4 rows, one cache line each)."""
+    out = offline_compile(LAYOUT, "cuda", "90", 32)
+    loads = [line.split() for line in out.splitlines() if line != "compiled"]
+    assert {name for name, *_ in loads} == {"Q8_0", "Q4_0", "Q4_K_pieces", "Q6_K_pieces"}
+    for name, shape, rows, along in loads:
+        words = int(shape.split("x")[1])
+        assert int(along) >= min(16, words // 4), f"{name} {shape}: {rows} rows x {along} lanes"
