@@ -35,6 +35,8 @@ import triton.language as tl
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
+    field,
+    magic,
     program_rows,
     row_runs,
     q4_k_groups,
@@ -161,15 +163,16 @@ def _advance(more, step, CARRY: tl.constexpr):
 
 
 @triton.jit
-def _low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr):
+def _low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr,
+                   EXACT_ADD: tl.constexpr = False):
     """The integer sums of four words of low codes and four of high codes against their activation words
-    ([BLOCK_N, G] each; the activations [1, G] broadcast over the rows), as f32."""
+    ([BLOCK_N, G] each; the activations [1, G] broadcast over the rows), as f32 (_exact_f32)."""
     s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
     s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
     for i in tl.static_range(4):
         s_lo = dot4(lo[i], xl[i], s_lo, DOT)
         s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-    return s_lo.to(tl.float32), s_hi.to(tl.float32)
+    return _exact_f32(s_lo, EXACT_ADD), _exact_f32(s_hi, EXACT_ADD)
 
 
 @triton.jit
@@ -479,27 +482,65 @@ def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr):
+def _exact_f32(s, EXACT_ADD: tl.constexpr):
+    """int32 s (|s| < 2^22) as f32: a conversion, or (EXACT_ADD) an integer add into the mantissa of 1.5 *
+    2^23 and a float subtract, both full-rate where the conversion is a quarter-rate instruction."""
+    if EXACT_ADD:
+        return (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        return s.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_piece_scales(a, b, c, pp, DECODE: tl.constexpr):
+    """The six-bit scale and min pairs of each piece pp (chunk c = pp // 2, half pp % 2) of each super-block,
+    from its scale words a, b, c [BLOCK_N, NB]: sc[2c] | sc[2c + 1] << 8 and the same of the mins (DECODE
+    1: zero on the second half's pieces, whose min term the first half's carries) [BLOCK_N, NB, 8].
+    DECODE 0 forms both the chunks-0/1 and the chunks-2/3 value and selects; DECODE 1 selects the source
+    word and masks once (the masks per piece)."""
+    shift = ((pp // 2) % 2 * 16)[None, None, :]  # scale bytes 2c, 2c + 1 of the pair's word
+    upper = (pp >= 4)[None, None, :]  # chunks 2, 3: sub-blocks 4..7, six bits from two places
+    if DECODE:
+        first = (pp % 2 == 0)[None, None, :]
+        low = tl.where(upper, 0x0F0F, 0x3F3F)
+        high = tl.where(upper, 0x3030, 0)
+        sc = ((tl.where(upper, c[:, :, None], a[:, :, None]) >> shift) & low) | ((a[:, :, None] >> (shift + 2)) & high)
+        mn = (((tl.where(upper, c[:, :, None] >> 4, b[:, :, None]) >> shift) & tl.where(first, low, 0))
+              | ((b[:, :, None] >> (shift + 2)) & tl.where(first, high, 0)))
+    else:
+        a3 = a[:, :, None] >> shift
+        b3 = b[:, :, None] >> shift
+        c3 = c[:, :, None] >> shift
+        sc = tl.where(upper, (c3 & 0x0F0F) | ((a3 >> 2) & 0x3030), a3 & 0x3F3F)
+        mn = tl.where(upper, ((c3 >> 4) & 0x0F0F) | ((b3 >> 2) & 0x3030), b3 & 0x3F3F)
+    return sc, mn
+
+
+@triton.jit
+def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NB: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr):
     """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
-    their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece."""
+    their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece.
+    DECODE 1: the scales as _q4_k_piece_scales' DECODE 1, and every int-to-float conversion an exact
+    integer-and-float pair (flat_words.field, _exact_f32; `mags`: the magics of bits 0 and 8). The same
+    products, bitwise."""
     q, dm, a, b, c = tile
     P: tl.constexpr = NB * 8
     pp = tl.arange(0, 8)
-    shift = ((pp // 2) % 2 * 16)[None, None, :]  # scale bytes 2c, 2c + 1 of the pair's word
-    upper = (pp >= 4)[None, None, :]  # chunks 2, 3: sub-blocks 4..7, six bits from two places
-    a3 = a[:, :, None] >> shift
-    b3 = b[:, :, None] >> shift
-    c3 = c[:, :, None] >> shift
-    sc = tl.where(upper, (c3 & 0x0F0F) | ((a3 >> 2) & 0x3030), a3 & 0x3F3F)  # sc[2c] | sc[2c + 1] << 8
-    mn = tl.where(upper, ((c3 >> 4) & 0x0F0F) | ((b3 >> 2) & 0x3030), b3 & 0x3F3F)
+    sc, mn = _q4_k_piece_scales(a, b, c, pp, DECODE)
     d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
-    dmin = tl.where((pp % 2 == 0)[None, None, :],
-                    (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None], 0.0)
-    sc_lo = tl.reshape(d * (sc & 0xFF).to(tl.float32), (BLOCK_N, P))
-    sc_hi = tl.reshape(d * (sc >> 8).to(tl.float32), (BLOCK_N, P))
-    mn_lo = tl.reshape(dmin * (mn & 0xFF).to(tl.float32), (BLOCK_N, P))
-    mn_hi = tl.reshape(dmin * (mn >> 8).to(tl.float32), (BLOCK_N, P))
+    dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+    if DECODE:
+        sc_lo = tl.reshape(d * field(sc, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
+        sc_hi = tl.reshape(d * field(sc, 0xFF, 8, mags[1], 0), (BLOCK_N, P))
+        mn_lo = tl.reshape(dmin * field(mn, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
+        mn_hi = tl.reshape(dmin * field(mn, 0xFF, 8, mags[1], 0), (BLOCK_N, P))
+    else:
+        first_min = tl.where((pp % 2 == 0)[None, None, :], dmin, 0.0)
+        sc_lo = tl.reshape(d * (sc & 0xFF).to(tl.float32), (BLOCK_N, P))
+        sc_hi = tl.reshape(d * (sc >> 8).to(tl.float32), (BLOCK_N, P))
+        mn_lo = tl.reshape(first_min * (mn & 0xFF).to(tl.float32), (BLOCK_N, P))
+        mn_hi = tl.reshape(first_min * (mn >> 8).to(tl.float32), (BLOCK_N, P))
     words = split4(q)  # byte t of word i: element 16h + 4i + t of sub-block 2c (low nibble), 2c + 1 (high)
     lo = ()
     hi = ()
@@ -510,7 +551,7 @@ def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, M: tl.constex
     for m in tl.static_range(M):
         xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
                                                   sx_ptr + m * (K // 32), w0, b0, NB)
-        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT)
+        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, DECODE)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
     return new
 
@@ -521,11 +562,12 @@ def _q4_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, DECODE: tl.constexpr,
 ):
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
+    mags = (magic(0, N > 0, False), magic(8, N > 0, False))
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
     qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
     hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
@@ -541,7 +583,7 @@ def _q4_k_pieces_kernel(
         more = it + 1 < n_iter
         qs += _advance(more, NB * 32, CARRY)
         hd += _advance(more, NB * 4, CARRY)
-        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, M, BLOCK_N, NB, DOT)
+        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, DECODE)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
@@ -835,7 +877,7 @@ def dot_kind(device: torch.device) -> int:
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
-                mma: int | None = None,
+                mma: int | None = None, decode: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
@@ -850,7 +892,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
-                                                        "flat": flat, "pieces": pieces, "mma": mma})
+                                                        "flat": flat, "pieces": pieces, "mma": mma,
+                                                        "decode": decode})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
@@ -860,7 +903,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
         kernel, type_args = _q4_k_mma_kernel, {}  # not timed yet: no default
     elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
-        kernel, type_args = _q4_k_pieces_kernel, {}  # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x
+        # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x. decode 1: fewer instructions, not timed yet
+        kernel, type_args = _q4_k_pieces_kernel, {"DECODE": plan.params.get("decode", 0)}
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
         kernel, type_args = _q6_k_pieces_kernel, {}  # M = 1: 1.3-2.8x with block_n 8 (the tuning file's)
     elif w.type_id == Q4_K:
