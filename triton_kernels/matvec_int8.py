@@ -9,6 +9,13 @@ loaded 16 bytes per thread as in matvec_flat (the same tiles: flat_words.py), an
 each (low nibbles, high nibbles), so a block of 32 costs 8 dot4, 8 masks and a few float operations per
 activation row, where the float kernels spend 2-3 instructions on every element.
 
+Loads go along the rows: each row's quant words of a tile are one contiguous run (`flat` for the 32-element
+types; the `pieces` kernels for Q4_K and Q6_K, whose unit is a 16-byte piece of the quant plane with its
+scales decoded from the super-block's scale words), so a warp instruction reads 512 contiguous bytes.
+Triton 3.6 lays a [rows, blocks, 4] load across 16 rows (16 cache lines an instruction), which kept these
+kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quants keep their groups kernels
+(per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`, not timed yet).
+
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
   Q4_0  d * (dx * sum(q * xq) - 8 sx), q the unsigned nibble.
