@@ -499,15 +499,15 @@ def _exact_f32(s, EXACT_ADD: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_piece_scales(a, b, c, pp, DECODE: tl.constexpr):
+def _q4_k_piece_scales(a, b, c, pp, UNPACK: tl.constexpr):
     """The six-bit scale and min pairs of each piece pp (chunk c = pp // 2, half pp % 2) of each super-block,
-    from its scale words a, b, c [BLOCK_N, NB]: sc[2c] | sc[2c + 1] << 8 and the same of the mins (DECODE
+    from its scale words a, b, c [BLOCK_N, NB]: sc[2c] | sc[2c + 1] << 8 and the same of the mins (UNPACK
     1: zero on the second half's pieces, whose min term the first half's carries) [BLOCK_N, NB, 8].
-    DECODE 0 forms both the chunks-0/1 and the chunks-2/3 value and selects; DECODE 1 selects the source
+    UNPACK 0 forms both the chunks-0/1 and the chunks-2/3 value and selects; UNPACK 1 selects the source
     word and masks once (the masks per piece)."""
     shift = ((pp // 2) % 2 * 16)[None, None, :]  # scale bytes 2c, 2c + 1 of the pair's word
     upper = (pp >= 4)[None, None, :]  # chunks 2, 3: sub-blocks 4..7, six bits from two places
-    if DECODE:
+    if UNPACK:
         first = (pp % 2 == 0)[None, None, :]
         low = tl.where(upper, 0x0F0F, 0x3F3F)
         high = tl.where(upper, 0x3030, 0)
@@ -525,19 +525,19 @@ def _q4_k_piece_scales(a, b, c, pp, DECODE: tl.constexpr):
 
 @triton.jit
 def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr):
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
     """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
     their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece.
-    DECODE 1: the scales as _q4_k_piece_scales' DECODE 1, and every int-to-float conversion an exact
+    UNPACK 1: the scales as _q4_k_piece_scales' UNPACK 1, and every int-to-float conversion an exact
     integer-and-float pair (flat_words.field, _exact_f32; `mags`: the magics of bits 0 and 8). The same
     products, bitwise."""
     q, dm, a, b, c = tile
     P: tl.constexpr = NB * 8
     pp = tl.arange(0, 8)
-    sc, mn = _q4_k_piece_scales(a, b, c, pp, DECODE)
+    sc, mn = _q4_k_piece_scales(a, b, c, pp, UNPACK)
     d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
     dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
-    if DECODE:
+    if UNPACK:
         sc_lo = tl.reshape(d * field(sc, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
         sc_hi = tl.reshape(d * field(sc, 0xFF, 8, mags[1], 0), (BLOCK_N, P))
         mn_lo = tl.reshape(dmin * field(mn, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
@@ -558,7 +558,7 @@ def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.c
     for m in tl.static_range(M):
         xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
                                                   sx_ptr + m * (K // 32), w0, b0, NB)
-        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, DECODE)
+        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
     return new
 
@@ -569,7 +569,7 @@ def _q4_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, DECODE: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
 ):
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
@@ -590,7 +590,7 @@ def _q4_k_pieces_kernel(
         more = it + 1 < n_iter
         qs += _advance(more, NB * 32, CARRY)
         hd += _advance(more, NB * 4, CARRY)
-        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, DECODE)
+        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
@@ -884,7 +884,7 @@ def dot_kind(device: torch.device) -> int:
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
-                mma: int | None = None, decode: int | None = None,
+                mma: int | None = None, unpack: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
@@ -894,13 +894,14 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
-    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block (written and checked
-    against the reference, not timed yet, so never the default).
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (Q4_K
+    pieces): the scales decoded with per-piece masks and int-to-float by exact adds. Both written and
+    checked against the reference, not timed yet, so never the default.
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
-                                                        "decode": decode})
+                                                        "unpack": unpack})
     M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
@@ -910,8 +911,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
         kernel, type_args = _q4_k_mma_kernel, {}  # not timed yet: no default
     elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
-        # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x. decode 1: fewer instructions, not timed yet
-        kernel, type_args = _q4_k_pieces_kernel, {"DECODE": plan.params.get("decode", 0)}
+        # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x. unpack 1: fewer slow instructions, not timed yet
+        kernel, type_args = _q4_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
         kernel, type_args = _q6_k_pieces_kernel, {}  # M = 1: 1.3-2.8x with block_n 8 (the tuning file's)
     elif w.type_id == Q4_K:

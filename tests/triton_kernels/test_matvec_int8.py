@@ -142,18 +142,18 @@ def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
                            carry=carry, pieces=1)
 
 
-def test_q4_k_pieces_decode_variants_give_the_same_products():
-    """decode 1 (masks chosen per piece, exact int-to-float by adds) against decode 0 (select between both
+def test_q4_k_pieces_unpack_variants_give_the_same_products():
+    """unpack 1 (masks chosen per piece, exact int-to-float by adds) against unpack 0 (select between both
     forms, conversions): the same scales and sums, so the same products, at 1 and 3 rows; and the
     reference's."""
-    _matches_the_reference("Q4_K", 21, 2048, (1, 3), 18, block_n=8, nb=64, num_warps=1, pieces=1, decode=1)
+    _matches_the_reference("Q4_K", 21, 2048, (1, 3), 18, block_n=8, nb=64, num_warps=1, pieces=1, unpack=1)
     tid = IDS["Q4_K"]
     raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(20))
     w = repack(raw.to(DEVICE), tid, 21, 2048)
     for m in (1, 3):
         x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(21 + m)).to(DEVICE)
         cfg = {"block_n": 8, "nb": 32, "split_k": 2, "num_warps": 1, "pieces": 1, "q8_1": quantize_q8_1(x)}
-        assert torch.equal(matvec_int8(x, w, decode=1, **cfg), matvec_int8(x, w, decode=0, **cfg))
+        assert torch.equal(matvec_int8(x, w, unpack=1, **cfg), matvec_int8(x, w, unpack=0, **cfg))
 
 
 @pytest.mark.parametrize("split_k", [1, 2])

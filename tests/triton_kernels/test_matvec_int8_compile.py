@@ -32,8 +32,8 @@ kernels = {
     "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True, FLAT=1)),
     "Q4_K": (mv._q4_k_kernel, dict(NB=8, STAGE=1)),
     "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
-    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, DECODE=0)),
-    "Q4_K_pieces_decode": (mv._q4_k_pieces_kernel, dict(NB=8, DECODE=1)),
+    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0)),
+    "Q4_K_pieces_unpack": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=1)),
     "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
 }
 if backend == "cuda":  # matrix units: gfx906 has none
@@ -52,11 +52,11 @@ print("compiled")
 WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
-             "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_decode": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
+             "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
              "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
-            "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_decode": {"v_dot4_i32_i8"},
+            "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
             "Q6_K_pieces": {"v_dot4_i32_i8"}},
 }
 
@@ -86,7 +86,7 @@ common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=0, PDL=False)
 kernels = {
     "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
     "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
-    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, DECODE=0)),
+    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0)),
     "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
 }
 for name, (fn, consts) in kernels.items():
