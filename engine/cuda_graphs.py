@@ -27,6 +27,7 @@ import logging
 import time
 
 import torch
+from tqdm import tqdm
 
 from vegaserve.engine.forward_batch import AttentionInputs, ForwardBatch
 from vegaserve.engine.layers.attention import KVCache
@@ -113,15 +114,18 @@ class DecodeGraphs:
 
     # ---------------------------------------------------------------------------------------- capture
 
-    def capture(self) -> None:
+    def capture(self, show_progress: bool = False) -> None:
         """Capture every bucket, largest first, into one memory pool (each is run eagerly twice before,
-        which compiles its kernels)."""
+        which compiles its kernels: on a first start, with no Triton cache, most of the time; a bar shows
+        it with show_progress)."""
         t0 = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        buckets = tqdm(list(reversed(self.buckets)), desc="compiling and capturing decode graphs", unit="graph",
+                       disable=not show_progress, leave=False)
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
+            for b in buckets:
                 fb = self._batch(b)
                 for _ in range(2):
                     self._widen(b)

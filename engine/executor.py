@@ -176,10 +176,10 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
         tuning_file=cfg.kernels.tuning_file, comm=comm, layers=launch.stages[comm.stage],
     )
-    return make_worker(launch, loaded.model, comm, device)
+    return make_worker(launch, loaded.model, comm, device, show_progress)
 
 
-def make_worker(launch: Launch, model, comm, device: torch.device) -> StageWorker:
+def make_worker(launch: Launch, model, comm, device: torch.device, show_progress: bool = False) -> StageWorker:
     """The rank's worker: its KV cache in the configured type and, on a single GPU, its decode graphs."""
     cfg = launch.config
     bs = cfg.cache.block_size
@@ -194,7 +194,7 @@ def make_worker(launch: Launch, model, comm, device: torch.device) -> StageWorke
         from vegaserve.engine.cuda_graphs import DecodeGraphs
 
         worker.graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len, bs, device)
-        worker.graphs.capture()
+        worker.graphs.capture(show_progress)
     return worker
 
 
@@ -308,7 +308,7 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
             gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
             tuning_file=cfg.kernels.tuning_file,
         )
-        return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device))
+        return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device, show_progress))
     workers = None if launch.torchrun else WorkerGroup(launch)
     log.info("%s over %d processes; layers per stage: %s", launch.topo.describe(), launch.topo.world_size,
              ", ".join(f"{r.start}-{r.stop - 1}" for r in launch.stages))
