@@ -783,10 +783,12 @@ def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr):
+def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
     """A Q6_K pieces tile's products: each piece's 16 low-nibble codes (sub-block 8h + u) and 16
-    high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2)."""
+    high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2).
+    UNPACK 1: the signed scale bytes and the integer sums made floats by exact adds (flat_words.field with
+    the signed magic `smag`, _exact_f32) instead of conversions; the same products, bitwise."""
     ql, qh, s0, s1, s2, s3, d = tile
     P: tl.constexpr = NB * 8
     pp = tl.arange(0, 8)
@@ -794,8 +796,12 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, M: tl.constexpr, BLOC
     byte = (8 * (pp % 4))[None, None, :]
     sc_lo = tl.where(first, s0[:, :, None], s2[:, :, None])  # scale byte 8h + u, then 8h + 4 + u
     sc_hi = tl.where(first, s1[:, :, None], s3[:, :, None])
-    sc_lo = tl.reshape(d[:, :, None] * (((sc_lo << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
-    sc_hi = tl.reshape(d[:, :, None] * (((sc_hi << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
+    if UNPACK:
+        sc_lo = tl.reshape(d[:, :, None] * field(sc_lo >> byte, 0xFF, 0, smag, 128), (BLOCK_N, P))
+        sc_hi = tl.reshape(d[:, :, None] * field(sc_hi >> byte, 0xFF, 0, smag, 128), (BLOCK_N, P))
+    else:
+        sc_lo = tl.reshape(d[:, :, None] * (((sc_lo << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
+        sc_hi = tl.reshape(d[:, :, None] * (((sc_hi << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
     shift = tl.reshape(tl.broadcast_to((2 * ((pp % 4) // 2))[None, None, :], (1, NB, 8)), (1, P))
     lq = split4(ql)
     hq = split4(qh)
@@ -808,7 +814,7 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, M: tl.constexpr, BLOC
     new = ()
     for m in tl.static_range(M):
         xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
-        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT)
+        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi,)
     return new
 
@@ -819,10 +825,11 @@ def _q6_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
 ):
     """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
+    smag = magic(0, N > 0, True)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
     ql_p = row_runs(base, o0, r0, r64, first * 32, NB * 32, tl.int32)
     qh_p = row_runs(base, o1, r1, r64, first * 16, NB * 16, tl.int32)
@@ -842,7 +849,7 @@ def _q6_k_pieces_kernel(
         qh_p += _advance(more, NB * 16, CARRY)
         sp += _advance(more, NB * 4, CARRY)
         dp += _advance(more, NB, CARRY)
-        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, M, BLOCK_N, NB, DOT)
+        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
@@ -894,8 +901,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
-    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (Q4_K
-    pieces): the scales decoded with per-piece masks and int-to-float by exact adds. Both written and
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (the
+    pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks). Both written and
     checked against the reference, not timed yet, so never the default.
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
@@ -914,7 +921,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x. unpack 1: fewer slow instructions, not timed yet
         kernel, type_args = _q4_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
-        kernel, type_args = _q6_k_pieces_kernel, {}  # M = 1: 1.3-2.8x with block_n 8 (the tuning file's)
+        # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: not timed yet
+        kernel, type_args = _q6_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     part, y, counts = plan.outputs(M, w.n, x.device)

@@ -142,12 +142,13 @@ def test_k_quant_pieces_kernels_match_the_reference(name, nb, split_k, carry):
                            carry=carry, pieces=1)
 
 
-def test_q4_k_pieces_unpack_variants_give_the_same_products():
-    """unpack 1 (masks chosen per piece, exact int-to-float by adds) against unpack 0 (select between both
-    forms, conversions): the same scales and sums, so the same products, at 1 and 3 rows; and the
-    reference's."""
-    _matches_the_reference("Q4_K", 21, 2048, (1, 3), 18, block_n=8, nb=64, num_warps=1, pieces=1, unpack=1)
-    tid = IDS["Q4_K"]
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_pieces_unpack_variants_give_the_same_products(name):
+    """unpack 1 (exact int-to-float by adds; Q4_K: masks chosen per piece) against unpack 0 (conversions;
+    Q4_K: a select between both forms): the same scales and sums, so the same products, at 1 and 3 rows;
+    and the reference's."""
+    _matches_the_reference(name, 21, 2048, (1, 3), 18, block_n=8, nb=64, num_warps=1, pieces=1, unpack=1)
+    tid = IDS[name]
     raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(20))
     w = repack(raw.to(DEVICE), tid, 21, 2048)
     for m in (1, 3):

@@ -34,7 +34,8 @@ kernels = {
     "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
     "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0)),
     "Q4_K_pieces_unpack": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=1)),
-    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
+    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0)),
+    "Q6_K_pieces_unpack": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=1)),
 }
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
@@ -53,11 +54,11 @@ WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
-             "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"}},
+             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
-            "Q6_K_pieces": {"v_dot4_i32_i8"}},
+            "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}},
 }
 
 
@@ -87,7 +88,7 @@ kernels = {
     "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
     "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
     "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0)),
-    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8)),
+    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0)),
 }
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
