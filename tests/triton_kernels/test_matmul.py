@@ -72,6 +72,25 @@ def test_repack_round_trips_and_keeps_size_within_one_percent():
             assert f.offset % 16 == 0 and f.row_stride % 16 == 0
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_repack_round_trips_with_one_head_record_per_super_block(type_name):
+    """Q4_K and Q5_K keep d, dmin and the 12 scale bytes together, one 16-byte record per super-block in one
+    plane (the pieces kernel loads it as four words); every plane starts 16-byte aligned, the bytes round
+    trip, and the size stays within 1% of the GGUF rows."""
+    tid = TYPE_IDS[type_name]
+    raw = random_blocks(tid, 64, 16, torch.Generator().manual_seed(6))
+    w = repack(raw, tid, 64, 4096)
+    assert torch.equal(unpack_to_canonical(w), raw.view(64, -1))
+    assert w.data.numel() <= raw.numel() * 1.01
+    head = type_name != "Q6_K"
+    starts = [f for i, f in enumerate(w.fields) if not (head and i == 1)]  # a plane's first field each
+    assert all(f.offset % 16 == 0 and f.row_stride % 16 == 0 for f in starts)
+    if head:
+        dm, scales = w.fields[:2]
+        assert (dm.block_stride, scales.block_stride, scales.offset - dm.offset) == (16, 16, 4)
+        assert dm.row_stride == scales.row_stride == 16 * 16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 operands need a GPU (the interpreter has no bf16)")
 @pytest.mark.parametrize("type_name", LEGACY)
