@@ -103,18 +103,15 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
     nblk = k // spec.block_size
     blocks = raw.reshape(n, nblk, spec.type_size)
     planes = _planes(spec.name)
-    plan = []
-    total = 0
-    for off, size, _ in planes:
-        row_stride = _round_up(nblk * size, ALIGN)
-        plan.append((off, size, total, row_stride))
-        total += row_stride * n
-    data = torch.zeros(total, dtype=torch.uint8, device=raw.device)
+    strides = [_round_up(nblk * size, ALIGN) for _, size, _ in planes]
+    data = torch.zeros(sum(strides) * n, dtype=torch.uint8, device=raw.device)
     fields = []
-    for (off, size, members), (_, _, start, row_stride) in zip(planes, plan, strict=True):
+    start = 0
+    for (off, size, members), row_stride in zip(planes, strides, strict=True):
         plane = data[start : start + row_stride * n].view(n, row_stride)
         plane[:, : nblk * size] = blocks[:, :, off : off + size].reshape(n, nblk * size)
         fields += [Field(start + f_off - off, row_stride, size) for f_off in members]
+        start += row_stride * n
     return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
 
 
@@ -139,11 +136,10 @@ def unpack_to_canonical(w: PackedWeight) -> torch.Tensor:
     if not w.repacked:
         return w.data.view(w.n, -1)
     out = torch.empty(w.n, nblk, spec.type_size, dtype=torch.uint8, device=w.data.device)
-    fields = iter(w.fields)
+    first = 0  # index of the plane's first field, which starts its record
     for off, size, members in _planes(spec.name):
-        f = next(fields)  # the plane's first field starts its record
-        for _ in members[1:]:
-            next(fields)
+        f = w.fields[first]
+        first += len(members)
         plane = w.data[f.offset : f.offset + f.row_stride * w.n].view(w.n, f.row_stride)
         out[:, :, off : off + size] = plane[:, : nblk * size].reshape(w.n, nblk, size)
     return out.view(w.n, -1)

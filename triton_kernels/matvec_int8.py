@@ -183,7 +183,7 @@ def _low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: 
 
 
 @triton.jit
-def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr = 0):
+def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr):
     """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale) and
     HALVES 16-byte runs of each block."""
     if E8M0:
@@ -623,7 +623,8 @@ def _q4_k_mma_kernel(
     """Q4_K for 2..8 rows of x on the matrix units: per 32-element sub-block one int8 tl.dot of the
     weight's codes [BLOCK_N, 32] with the activation's [32, 16] (rows of x padded to 16), its int32
     result scaled by d sc[s] dx[s] and the min term d_min m[s] sx[s] taken off, in f32. One super-block an
-    iteration (NB is 1); the quant bytes and head records loaded as contiguous runs per row."""
+    iteration (the launch's NB, CARRY and DOT are not used); the quant bytes and head records loaded as
+    contiguous runs per row."""
     pdl.let_next_start(PDL)
     MP: tl.constexpr = 16
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, 1)
@@ -902,23 +903,25 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
     mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (the
-    pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks). Both written and
-    checked against the reference, not timed yet, so never the default.
+    pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
+    Both written and checked against the reference, not timed yet, so never the default.
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
                                                         "unpack": unpack})
     M, K = x.shape
+    if plan.params.get("mma", 0) and torch.version.hip:
+        raise ValueError("mma 1 is the NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = _KERNELS[w.type_id]
     if w.type_id not in (Q4_K, Q6_K):
-        # 1.24-1.50x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
+        # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
     if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
         kernel, type_args = _q4_k_mma_kernel, {}  # not timed yet: no default
-    elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)) and w.fields[1].offset == w.fields[0].offset + 4:
-        # M = 1: 1.38-1.45x on the 8B shapes; M = 8: 0.72x. unpack 1: fewer slow instructions, not timed yet
+    elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)):
+        # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1: fewer slow instructions, not timed yet
         kernel, type_args = _q4_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
         # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: not timed yet

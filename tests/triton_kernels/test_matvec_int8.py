@@ -164,6 +164,14 @@ def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
     _matches_the_reference("Q4_K", 37, 1024, (2, 3, 8), 16, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1)
 
 
+def test_matrix_unit_kernel_is_refused_on_amd(monkeypatch):
+    tid = IDS["Q4_K"]
+    w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(19)), tid, 16, 256)
+    monkeypatch.setattr(torch.version, "hip", "6.3.0")
+    with pytest.raises(ValueError, match="no matrix units"):
+        matvec_int8(torch.randn(2, 256), w, mma=1)
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_sweep_times_both_k_quant_kernels_at_one_row_and_the_groups_kernel_above(name):
     tid = IDS[name]
