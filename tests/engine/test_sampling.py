@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vegaserve.engine.request import SamplingParams
-from vegaserve.engine.sampling import Sampler, adjust_logits
+from vegaserve.engine.sampling import Sampler, adjust_logits, greedy_argmax
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -75,6 +75,19 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     expected = [max(range(300), key=lambda i, r=r: (r[i], -i)) for r in rows]
     assert result.token_ids == expected
     assert result.token_ids[2] == 17
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 8192 * 3, 1000])
+def test_two_pass_argmax_matches_argmax_with_lowest_id_on_ties(vocab: int):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    top = logits.max() + 1.0
+    logits[0, 5] = logits[0, vocab - 3] = top  # a tie across the first and last runs
+    logits[1, 100] = logits[1, 101] = top  # a tie inside one run (100 and 101 share every run of 128 or more)
+    logits[2, vocab - 1] = top  # the maximum at the very end
+    logits[3] = 0.0  # all equal: id 0
+    assert greedy_argmax(logits).tolist() == [5, 100, vocab - 1, 0]
+    assert greedy_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():
