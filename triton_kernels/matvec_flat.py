@@ -352,9 +352,19 @@ class Launch:
     def grid(self, n: int) -> tuple[int, int]:
         return triton.cdiv(n, self.params["block_n"]), self.split
 
-    def outputs(self, m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The store_rows arguments: partials [split, m, n] (unused at split 1), y [m, n], arrival counts."""
-        y = torch.empty(m, n, dtype=torch.float32, device=device)
+    def outputs(self, m: int, n: int, device: torch.device,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The store_rows arguments: partials [split, m, n] (unused at split 1), y [m, n], arrival counts.
+        `out`: y given, f32 [m, n] whose rows lie as store_rows writes them (row stride n; any stride
+        between rows when m is 1, e.g. a column slice of a wider output)."""
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32, device=device)
+        elif (out.shape != (m, n) or out.dtype != torch.float32 or out.device != device
+              or out.stride(1) != 1 or (m > 1 and out.stride(0) != n)):
+            raise ValueError(f"out must be f32 [{m}, {n}] on {device} with rows of unit stride, {n} apart; got "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+        else:
+            y = out
         if self.split == 1:
             return y, y, y
         part = torch.empty(self.split, m, n, dtype=torch.float32, device=device)

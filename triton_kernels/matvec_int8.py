@@ -893,7 +893,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
                 mma: int | None = None, unpack: int | None = None,
-                q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
     iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
@@ -905,7 +906,9 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
     Both written and checked against the reference, not timed yet, so never the default.
-    Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1)."""
+    Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
+    `out`: where y goes (Launch.outputs: at M = 1 a column slice of a wider output, so the matrices of one
+    activation with different types write one output without a cat)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
@@ -928,7 +931,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         kernel, type_args = _q6_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
-    part, y, counts = plan.outputs(M, w.n, x.device)
+    part, y, counts = plan.outputs(M, w.n, x.device, out)
     kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,
         M=M, BLOCK_N=plan.params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot_kind(x.device),

@@ -139,10 +139,19 @@ class TritonMethod(QuantMethod):
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
-            outs = []
+            fns = [by_m[m - 1] for by_m in layer.tuned]
             q8_1 = None  # x quantized once for every int8-dot matrix of the layer (q, k and v of mixed types)
-            for w, by_m in zip(layer.packed, layer.tuned, strict=True):
-                fn, cfg = by_m[m - 1]
+            if m == 1 and len(fns) > 1 and all(fn is matvec_int8 for fn, _ in fns):
+                # one row: each matrix writes its columns of the output in place (no cat launch)
+                y = torch.empty(1, layer.out_features, device=x.device)
+                q8_1 = quantize_q8_1(x)
+                at = 0
+                for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
+                    fn(x, w, **cfg, q8_1=q8_1, out=y[:, at : at + w.n])
+                    at += w.n
+                return y if layer.bias is None else y + layer.bias
+            outs = []
+            for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
                 if fn is matvec_int8:
                     q8_1 = q8_1 or quantize_q8_1(x)
                     outs.append(fn(x, w, **cfg, q8_1=q8_1))

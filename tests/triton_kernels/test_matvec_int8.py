@@ -234,3 +234,26 @@ def test_every_shipped_int8_config_is_right_at_its_own_shape(name, n, k, m):
     ref = xd @ dequantize(raw.reshape(-1), tid, (n, k)).T
     y = matvec_int8(x, w, q8_1=q8)  # the tuning file's parameters, as TritonMethod takes them
     assert float((y - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_one_row_writes_into_a_column_slice_of_a_wider_output():
+    """out: at M = 1 the product goes to a column slice of a wider f32 output (the stacked matrices of one
+    activation write one output, no cat), its other columns untouched; a wrongly shaped or strided out is
+    refused."""
+    tid = IDS["Q4_K"]
+    raw = random_blocks(tid, 24, 1, torch.Generator().manual_seed(3))
+    w = repack(raw.to(DEVICE), tid, 24, 256)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    q8 = quantize_q8_1(x)
+    wide = torch.full((1, 40), -7.0, device=DEVICE)
+    got = matvec_int8(x, w, q8_1=q8, out=wide[:, 10:34], block_n=8, nb=8, num_warps=1, split_k=1)
+    assert got.data_ptr() == wide[:, 10:].data_ptr()
+    assert torch.equal(wide[:, 10:34], matvec_int8(x, w, q8_1=q8, block_n=8, nb=8, num_warps=1, split_k=1))
+    assert (wide[:, :10] == -7.0).all() and (wide[:, 34:] == -7.0).all()
+    for bad in (torch.empty(1, 23, device=DEVICE), torch.empty(1, 24, dtype=torch.float16, device=DEVICE),
+                torch.empty(24, 2, device=DEVICE)[:, 0][None]):
+        with pytest.raises(ValueError, match="out must be"):
+            matvec_int8(x, w, q8_1=q8, out=bad)
+    x3 = torch.randn(3, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="out must be"):  # rows of a column slice are not N apart
+        matvec_int8(x3, w, out=torch.empty(3, 40, device=DEVICE)[:, :24])

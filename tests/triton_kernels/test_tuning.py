@@ -114,3 +114,44 @@ def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_
     q, d, _ = matvec_int8.quantize_q8_1(x.to(device))
     ref = matvec_int8.reference_matvec_q8_1(q.cpu(), d.cpu(), cpu[2])
     assert float((y[:, 48:] - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_path, monkeypatch):
+    """Q4_K q/k with a Q6_K v (the Q4_K_M mix): at one row each int8 mat-vec writes its columns of the
+    layer's output in place (no torch.cat), and each part equals the reference product on the same q8_1
+    activation; at two rows the outputs are concatenated, with the same values per row."""
+    from dataclasses import replace
+
+    import torch
+
+    from vegaserve.engine.gguf_file import TensorInfo
+    from vegaserve.engine.layers import linear
+    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+    from vegaserve.triton_kernels import matvec_int8
+    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k, sizes = 256, [16, 8, 8]
+    sources = []
+    for (tid, name), rows in zip(((12, "Q4_K"), (12, "Q4_K"), (14, "Q6_K")), sizes, strict=True):
+        raw = random_blocks(tid, rows, 1, gen).to(device)
+        sources.append(WeightSource(TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"matvec_kernel": {"Q4_K": "int8", "Q6_K": "int8"}}))
+    layer = QuantLinear(k, sizes, TritonMethod(tuning_file=str(f)))
+    layer.load(sources, torch.device(device))
+    assert [w.type_name for w in layer.packed] == ["Q4_K", "Q6_K"]
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(linear.torch, "cat", lambda *a, **kw: cats.append(1) or real_cat(*a, **kw))
+    x = torch.randn(2, k, generator=gen).to(device)
+    one = layer(x[:1])
+    assert not cats and one.shape == (1, 32)
+    both = layer(x)
+    assert cats and both.shape == (2, 32)
+    q, d, _ = matvec_int8.quantize_q8_1(x)
+    for rows, y in ((1, one), (2, both)):
+        for part, w in zip(y.split([24, 8], dim=-1), layer.packed, strict=True):
+            ref = matvec_int8.reference_matvec_q8_1(q[:rows].cpu(), d[:rows].cpu(), replace(w, data=w.data.cpu()))
+            assert float((part.cpu().double() - ref).norm() / ref.norm()) < 1e-5
