@@ -6,11 +6,8 @@
              sequence, walks them in BLOCK_N tiles with the online softmax of attention_common.py and writes
              o_p = acc / l and lse_p = m + log2(l) (f32, base 2). A partition past the sequence's end runs
              no tile and writes lse_p = -inf, o_p = 0.
-    combine  by the last program of a (sequence, kv head) to finish (an arrival count per pair, as the
-             split-K mat-vecs sum their partials): for each of its heads out = sum_p 2^(lse_p - M) o_p /
-             sum_p 2^(lse_p - M), M = max_p lse_p, the partials in partition order. One launch, where a
-             combine kernel of its own cost a decode step of the 8B model a launch a layer (docs/PERF.md).
-With one partition the split kernel writes the output itself and nothing is combined. Partitions halve
+    combine  grid (seqs, heads): out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M), M = max_p lse_p.
+With one partition the split kernel writes the output itself and the combine is skipped. Partitions halve
 (down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
 
 Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
@@ -26,7 +23,6 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.matvec_flat import arrival_counts
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
     attend_tile,
@@ -40,12 +36,12 @@ from vegaserve.triton_kernels.attention_common import (
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, count_ptr,  # pointers
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
     qk_scale, num_partitions,  # scalars
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    BLOCK_P: tl.constexpr, DOT_F32: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     pdl.wait_for_inputs(PDL)  # q, the cache and the step's lengths and tables: all written before it
@@ -85,44 +81,41 @@ def _decode_split_kernel(
         row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part  # [S, H, P]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
         tl.store(part_lse_ptr + row, m + tl.log2(l_safe), mask=g < GROUP)
-        tl.debug_barrier()  # every thread's partials are written before the count is taken (release, GPU scope)
-        pair = seq * tl.num_programs(1) + kvh
-        arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_partitions - 1:  # the last of the pair's partitions: combine its heads
-            for i in tl.static_range(GROUP):
-                head = kvh * GROUP + i
-                _combine_head(part_o_ptr, part_lse_ptr, (seq * tl.num_programs(1) * GROUP + head).to(tl.int64) * num_partitions,
-                              out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, num_partitions,
-                              HEAD_DIM, BLOCK_P, BLOCK_D)
-            tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
 
 
 @triton.jit
-def _combine_head(part_o_ptr, part_lse_ptr, row, dst, num_partitions,
-                  HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M) of one head, its partials from row (partials [..,
-    P, D], lse [.., P]; loaded .cg: from L2, where the other programs' stores are), to dst [D]."""
+def _decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
+    num_partitions,  # sizes
+    stride_os, stride_oh,  # strides
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,  # meta
+):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     # two passes over the partitions in BLOCK_P chunks: the maximum, then the weighted sums
     mx = tl.full([BLOCK_P], float("-inf"), tl.float32)
     for p0 in range(0, num_partitions, BLOCK_P):
-        lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < num_partitions, other=float("-inf"),
-                      cache_modifier=".cg")
+        lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < num_partitions, other=float("-inf"))
         mx = tl.maximum(mx, lse)
     big = tl.max(mx, 0)  # finite: a sequence has at least one key, so one partition is not empty
     acc = tl.zeros([BLOCK_D], tl.float32)
     wsum = tl.zeros([BLOCK_P], tl.float32)
     for p0 in range(0, num_partitions, BLOCK_P):
         pmask = p0 + p < num_partitions
-        w = tl.exp2(tl.load(part_lse_ptr + row + p0 + p, mask=pmask, other=float("-inf"), cache_modifier=".cg") - big)
+        w = tl.exp2(tl.load(part_lse_ptr + row + p0 + p, mask=pmask, other=float("-inf")) - big)
         o = tl.load(part_o_ptr + (row + p0 + p)[:, None] * HEAD_DIM + d[None, :],
-                    mask=pmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=pmask[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         wsum += w
     out = acc / tl.sum(wsum, 0)
-    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=dmask)
+    dst = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @lru_cache(maxsize=8)
@@ -159,16 +152,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     single = n_part == 1
     part_o = out if single else torch.empty(S, H, n_part, D, dtype=torch.float32, device=q.device)
     part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
-    counts = out if single else arrival_counts(q.device, S * KV)
     _decode_split_kernel[(S, KV, n_part)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, counts,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
         scale * LOG2E, n_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION=partition, BLOCK_P=min(32, triton.next_power_of_2(n_part)), DOT_F32=dot_f32,
-        SINGLE=single, **opts, **pdl.launch_args(q.device),
+        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, **opts, **pdl.launch_args(q.device),
     )
+    if not single:
+        _decode_combine_kernel[(S, H)](
+            part_o, part_lse, out, n_part, out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d,
+            **pdl.launch_args(q.device),
+        )
     return out
 
 

@@ -1,5 +1,4 @@
-"""Paged-attention kernels (decode: split, its last program combining; prefill / chunked prefill) against
-float64 references.
+"""Paged-attention kernels (decode split + combine, prefill / chunked prefill) against float64 references.
 
 Caches are filled with NaN except at the positions sequences own, pages are shuffled across the pool and
 block-table padding points at a NaN page, so a key read past a sequence's end shows up in the output;
@@ -80,22 +79,6 @@ def test_decode_split_and_combine_match_reference(dtype, group, head_dim):
     out = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS), out=nan_like(q),
                            block_n=16, partition=32)
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, PAGE)) < TOL[dtype]
-
-
-def test_decode_combine_by_the_last_program_leaves_its_counts_ready_for_the_next_launch():
-    """The partitions' combine is done by the last program of each (sequence, kv head) to arrive, which sets
-    its arrival count back to 0: a second launch (another query, as the next decode step) is right too, and
-    the counts are all zero after each."""
-    from vegaserve.triton_kernels.matvec_flat import arrival_counts
-
-    k, v, tables, gen = paged_cache(DECODE_LENS, 64, torch.float32, seed=7)
-    seq_lens, _ = query_layout(DECODE_LENS, [1] * len(DECODE_LENS))
-    for _ in range(2):
-        q = torch.randn(len(DECODE_LENS), 2 * KV, 64, generator=gen).to(DEVICE)
-        out = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS), out=nan_like(q),
-                               block_n=16, partition=16)
-        assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, PAGE)) < 1e-5
-        assert not arrival_counts(q.device, len(DECODE_LENS) * KV).any()
 
 
 def test_decode_in_one_partition_writes_the_output_directly():

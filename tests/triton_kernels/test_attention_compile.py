@@ -21,7 +21,7 @@ backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 types = {"q_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32",
          "qstart_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-         "count_ptr": "*i32", "qk_scale": "fp32"}
+         "qk_scale": "fp32"}
 
 def build(fn, consts, opts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -31,8 +31,8 @@ pdl = backend == "cuda"  # programmatic dependent launch: sm_90's, AMD has none 
 meta, opts = split_params(backend_fallback(backend, "decode"))
 for single in (False, True):
     build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
-          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], BLOCK_P=32, DOT_F32=False, SINGLE=single,
-          PDL=pdl), opts)  # not single: the partitions' combine by the last program of each kv head
+          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, PDL=pdl), opts)
+build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, PDL=pdl), {})
 meta, opts = split_params(backend_fallback(backend, "prefill"))
 build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,
       BLOCK_D=128, BLOCK_N=meta["block_n"], DOT_F32=False), opts)
