@@ -14,7 +14,9 @@ types; the `pieces` kernels for Q4_K and Q6_K, whose unit is a 16-byte piece of 
 scales decoded from the super-block's scale words), so a warp instruction reads 512 contiguous bytes.
 Triton 3.6 lays a [rows, blocks, 4] load across 16 rows (16 cache lines an instruction), which kept these
 kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quants keep their groups kernels
-(per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`, not timed yet).
+(per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`; on the H200 at block_n
+128 about 62 us at 2, 4 and 8 rows of 28672x4096, against dp4a's 40, 51 and 86 us; far slower on 4096x14336;
+the tuning file's choice where it won).
 
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
@@ -872,13 +874,13 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict
     """The launch configs a sweep times: matvec_flat's tile candidates, each with the tile loaded ahead
     (carry 1) and in its own iteration (carry 0); for Q4_K and Q6_K at M = 1 both kernels, the pieces
     kernel also with 8 and 32 rows a program (its best on the H200 was often a smaller block_n than the
-    groups kernel's: Q6_K 8)."""
+    groups kernel's: Q6_K 8), each with unpack 0 and 1."""
     tiles = flat_candidates(type_id, n, k, m, sm_count)
     out = [{**c, "carry": carry} for c in tiles for carry in (1, 0)]
     if m == 1 and type_id in (Q4_K, Q6_K):
         out = [{**c, "pieces": 0} for c in out]
-        out += [{**c, "carry": carry, "block_n": bn, "pieces": 1}
-                for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32})]
+        out += [{**c, "carry": carry, "block_n": bn, "pieces": 1, "unpack": unpack}
+                for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)]
     return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
 
 
@@ -905,7 +907,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
     mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
-    Both written and checked against the reference, not timed yet, so never the default.
+    mma 1 and unpack 1 are the tuning file's choice per shape (mma won only at M = 8 of 28672x4096 on the
+    H200).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
     `out`: where y goes (Launch.outputs: at M = 1 a column slice of a wider output, so the matrices of one
     activation with different types write one output without a cat)."""
@@ -922,12 +925,13 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
     if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
-        kernel, type_args = _q4_k_mma_kernel, {}  # not timed yet: no default
+        kernel, type_args = _q4_k_mma_kernel, {}  # where the tuning file says (docs/PERF.md): no default
     elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)):
-        # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1: fewer slow instructions, not timed yet
+        # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1 (fewer slow instructions): the tuning
+        # file's choice per shape (28672x4096: 22.3 -> 20.6 us at block_n 16, nb 32 on an H200)
         kernel, type_args = _q4_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
-        # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: not timed yet
+        # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: no faster on the H200's shapes
         kernel, type_args = _q6_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
     elif w.type_id == Q4_K:
         type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
