@@ -51,11 +51,11 @@ _real_quantize = matvec_int8.quantize_q8_1
 
 
 def _cached_q8_1(x):
-    """The real quantization in the eager warm-up runs; the same outputs, with no launch, in the capture."""
+    """A q8_1 copy of x's shape: made in the eager warm-up runs, handed out with no launch in the capture."""
     key = tuple(x.shape)
     if torch.cuda.is_current_stream_capturing():
         return _q8_1_cache[key]
-    _q8_1_cache[key] = out = _real_quantize(x)
+    _q8_1_cache[key] = out = _real_quantize(x.contiguous())
     return out
 
 
@@ -67,16 +67,21 @@ def _no_norm(self, x):
     return x
 
 
-def _no_add_norm(self, h, delta):
-    return h, h
+def _no_norm_q8_1(self, x, want):
+    return x, _cached_q8_1(x) if want and x.is_cuda else None
+
+
+def _no_add_norm(self, h, delta, want_q8_1=False):
+    return h, h, _cached_q8_1(h) if want_q8_1 else None
 
 
 def _no_rope(self, x, positions):
     return x
 
 
-def _no_silu(gate_up):
-    return torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, device=gate_up.device, dtype=gate_up.dtype)
+def _no_silu(gate_up, want):
+    y = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, device=gate_up.device, dtype=gate_up.dtype)
+    return y, _cached_q8_1(y) if want else None
 
 
 def _split_cat(real: Callable) -> Callable:
@@ -92,14 +97,15 @@ def ablations() -> dict[str, list[tuple[object, str, object]]]:
     quant = [(matvec_int8, "quantize_q8_1", _cached_q8_1)]
     attend = [(attention, "attend", _no_attend)]
     write = [(attention, "write_kv", lambda *a, **k: None)]
-    norms = [(norm.RMSNorm, "forward", _no_norm), (norm.RMSNorm, "add_forward", _no_add_norm)]
+    norms = [(norm.RMSNorm, "forward", _no_norm), (norm.RMSNorm, "forward_q8_1", _no_norm_q8_1),
+             (norm.RMSNorm, "add_forward", _no_add_norm)]
     rope = [(rotary.RotaryEmbedding, "forward", _no_rope)]
-    silu = [(llama, "silu_mul", _no_silu)]
+    silu = [(llama, "silu_mul_q8_1", _no_silu)]
     cat = [(linear.torch, "cat", _split_cat(torch.cat))]
     matmul = [(linear.TritonMethod, "apply", _no_matmul)]
     small = quant + attend + write + norms + rope + silu + cat
     return {
-        "whole graph": [], "- q8_1 quantize": quant, "- attention (split, combine)": attend, "- KV write": write,
+        "whole graph": [], "- q8_1 quantize launches": quant, "- attention (split, combine)": attend, "- KV write": write,
         "- norms": norms, "- RoPE": rope, "- SiLU-mul": silu, "- cat of mixed types": cat,
         "- every mat-vec (and its quantize)": matmul, "mat-vecs and quantize only": small[1:],
         "mat-vecs only": small,

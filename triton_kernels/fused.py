@@ -7,6 +7,10 @@ its inputs once and writes its output once, in f32 arithmetic.
 
 Torch references (the CPU path, and what these are tested against): engine/layers/norm.py RMSNorm
 (and h + delta before it), engine/layers/rotary.py RotaryEmbedding, and F.silu(gate) * up.
+
+RMSNorm and SiLU-mul also write the q8_1 copy of their output when asked (`q8_1=True`: the input of the
+int8-dot mat-vecs after them in a decode step), the same bytes quantize_q8_1 of the output would give,
+without its launch.
 """
 
 from __future__ import annotations
@@ -16,25 +20,61 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, stride_x, stride_d, stride_y, N, eps,
-                     BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    """y = norm(x) * w; with ADD, h = x + delta is written first and normed (the residual stream)."""
+def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, stride_x, stride_d, stride_y, N,
+                     eps, BLOCK: tl.constexpr, SLICE: tl.constexpr, ADD: tl.constexpr, Q8: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Row program_id(0), its columns [program_id(1) * SLICE, + SLICE): y = norm(x) * w; with ADD, h = x +
+    delta is written and normed (the residual stream); with Q8, y's q8_1 too (of y as stored, in y's type).
+    Each program sums the squares of the whole row (the same sum in every program of the row) and writes
+    only its slice, so a decode token's norm and quantization spread over N / SLICE programs (one program
+    quantizing a 4096-wide row alone took as long as a launch of its own, docs/PERF.md)."""
     pdl.let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    live = cols < N
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+    mine = sc < N
+    w = tl.load(w_ptr + sc, mask=mine, other=0.0).to(tl.float32)
     pdl.wait_for_inputs(PDL)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    if SLICE == BLOCK:
+        x = tl.load(x_ptr + row * stride_x + sc, mask=mine, other=0.0)
+        if ADD:
+            x = x + tl.load(d_ptr + row * stride_d + sc, mask=mine, other=0.0)
+        xf = x.to(tl.float32)
+        ss = tl.sum(xf * xf, axis=0)
+    else:
+        cols = tl.arange(0, BLOCK)
+        whole = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
+        x = tl.load(x_ptr + row * stride_x + sc, mask=mine, other=0.0)
+        if ADD:
+            whole = whole + tl.load(d_ptr + row * stride_d + cols, mask=cols < N, other=0.0)
+            x = x + tl.load(d_ptr + row * stride_d + sc, mask=mine, other=0.0)
+        wf = whole.to(tl.float32)
+        ss = tl.sum(wf * wf, axis=0)
     if ADD:
-        x = x + tl.load(d_ptr + row * stride_d + cols, mask=live, other=0.0)
-        tl.store(h_ptr + row * N + cols, x, mask=live)
-    x = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(y_ptr + row * stride_y + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=live)
+        tl.store(h_ptr + row * N + sc, x, mask=mine)
+    r = 1.0 / tl.sqrt(ss / N + eps)
+    y = (x.to(tl.float32) * r * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + sc, y, mask=mine)
+    if Q8:
+        store_q8_1(y.to(tl.float32), tl.program_id(1) * (SLICE // 32), q_ptr + row * N, qd_ptr + row * (N // 32),
+                   qs_ptr + row * (N // 32), N // 32, SLICE // 32)
+
+
+_NORM_SLICE = 512  # columns a program writes when the norm also quantizes (decode): 8 programs for 4096
+
+
+def _launch_norm(x, delta, h, weight, y, q8, eps, add: bool) -> None:
+    T, N = x.shape
+    block = triton.next_power_of_2(N)
+    # with the q8_1 copy (a decode step) the row spreads over programs; else one program a row (prefill
+    # rows are many)
+    sl = min(block, _NORM_SLICE) if q8 is not None else block
+    _rms_norm_kernel[(T, triton.cdiv(N, sl))](
+        x, delta, h, weight, y, *(q8 or (y, y, y)), x.stride(0), delta.stride(0) if add else 0, y.stride(0), N,
+        eps, BLOCK=block, SLICE=sl, ADD=add, Q8=q8 is not None, **pdl.launch_args(x.device))
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -42,21 +82,26 @@ def _check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} takes [T, N] rows with unit stride; got {tuple(x.shape)} {x.stride()}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] with unit stride along N (rows may be strided) -> x / sqrt(mean(x^2) + eps) * w, x's type."""
+def _q8_1_out(want: bool, T: int, N: int, like: torch.Tensor) -> Q8_1 | None:
+    return q8_1_buffers(T, N, like.device) if want else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, q8_1: bool = False) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
+    """x [T, N] with unit stride along N (rows may be strided) -> x / sqrt(mean(x^2) + eps) * w, x's type;
+    with q8_1 (N a multiple of 32), (that, its q8_1)."""
     _check_rows("rms_norm", x)
     T, N = x.shape
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    q8 = _q8_1_out(q8_1, T, N, x)
     if T:
-        _rms_norm_kernel[(T,)](x, x, x, weight, y, x.stride(0), 0, y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=False, **pdl.launch_args(x.device))
-    return y
+        _launch_norm(x, x, x, weight, y, q8, eps, add=False)
+    return (y, q8) if q8_1 else y
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 q8_1: bool = False) -> tuple[torch.Tensor, ...]:
     """h = x + delta and rms_norm(h), in one launch: (h [T, N] contiguous, norm [T, N]), both in x's type,
-    which delta must share (so that h is exactly torch's x + delta)."""
+    which delta must share (so that h is exactly torch's x + delta); with q8_1, (h, norm, norm's q8_1)."""
     _check_rows("add_rms_norm", x)
     _check_rows("add_rms_norm", delta)
     if delta.shape != x.shape or delta.dtype != x.dtype:
@@ -65,10 +110,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     T, N = x.shape
     h = torch.empty(T, N, dtype=x.dtype, device=x.device)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    q8 = _q8_1_out(q8_1, T, N, x)
     if T:
-        _rms_norm_kernel[(T,)](x, delta, h, weight, y, x.stride(0), delta.stride(0), y.stride(0), N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=True, **pdl.launch_args(x.device))
-    return h, y
+        _launch_norm(x, delta, h, weight, y, q8, eps, add=True)
+    return (h, y, q8) if q8_1 else (h, y)
 
 
 _ROPE_HEADS = 4  # heads per program
@@ -131,7 +176,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, stride_x, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, stride_x, F, BLOCK: tl.constexpr, Q8: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl.let_next_start(PDL)
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -139,18 +185,25 @@ def _silu_mul_kernel(x_ptr, y_ptr, stride_x, F, BLOCK: tl.constexpr, PDL: tl.con
     live = cols < F
     g = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + F + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * F + cols, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=live)
+    y = (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * F + cols, y, mask=live)
+    if Q8:  # this program's BLOCK // 32 blocks of the row's q8_1
+        store_q8_1(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * F, qd_ptr + row * (F // 32),
+                   qs_ptr + row * (F // 32), F // 32, BLOCK // 32)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2F] (gate then up, unit stride along features) -> silu(gate) * up [T, F]."""
+def silu_mul(gate_up: torch.Tensor, q8_1: bool = False) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
+    """gate_up [T, 2F] (gate then up, unit stride along features) -> silu(gate) * up [T, F]; with q8_1
+    (F a multiple of 32), (that, its q8_1)."""
     T, F2 = gate_up.shape
     if F2 % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul takes [T, 2F] with unit feature stride; got {tuple(gate_up.shape)}")
     F = F2 // 2
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(F))
+    q8 = _q8_1_out(q8_1, T, F, gate_up)
+    block = max(32, min(1024, triton.next_power_of_2(F)))
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), F, BLOCK=block,
+        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, *(q8 or (y, y, y)), gate_up.stride(0), F,
+                                                      BLOCK=block, Q8=q8 is not None,
                                                       **pdl.launch_args(gate_up.device))
-    return y
+    return (y, q8) if q8_1 else y

@@ -2,11 +2,10 @@
 codes q, the scale d and d * sum(q), as ggml's quantize_row_q8_1 and gguf's Q8_0 quantizer compute them
 (d = amax / 127, q = x / d rounded half away from zero).
 
-`quantize_q8_1` is one launch over x; `store_q8_1` is its body, for a kernel that would write the q8_1 of
-an output it computes. (Written by RMSNorm and SiLU-mul themselves it saved 0.1 and 0.7 us of 2.2 and 1.9
-a token on an H200, and cost 0.1 us after the residual add: not kept, docs/PERF.md 2026-12-04.) Torch
-reference: gguf.quants' Q8_0 quantizer (the codes and scales element for element;
-tests/triton_kernels/test_matvec_int8.py).
+`quantize_q8_1` is one launch over x; `store_q8_1` is the same quantization inside another kernel, which
+writes the q8_1 copy of an output it has just computed (fused.py: RMSNorm and SiLU-mul), so a decode layer
+spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
+element; tests/triton_kernels/test_matvec_int8.py).
 """
 
 from __future__ import annotations

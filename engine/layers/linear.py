@@ -52,8 +52,13 @@ class QuantMethod:
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         raise NotImplementedError
 
-    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
+        """x @ W^T (+ b); q8_1: x already quantized to q8_1 (see wants_q8_1), else None."""
         raise NotImplementedError
+
+    def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
+        """Whether apply at m rows multiplies a q8_1 copy of x (then the op before may hand it over)."""
+        return False
 
 
 class ReferenceMethod(QuantMethod):
@@ -70,7 +75,7 @@ class ReferenceMethod(QuantMethod):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
-    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -133,18 +138,24 @@ class TritonMethod(QuantMethod):
             return matvec_int8.matvec_int8, matvec_flat.flat_params(w, m, self.tuning, op="matvec_int8")
         return matvec, self.tuning.matvec(w.type_name, w.n, w.k, m)
 
-    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
+        from vegaserve.triton_kernels.matvec_int8 import matvec_int8
+
+        return m < self.tuning.dense_from_m and m <= 8 and any(by_m[m - 1][0] is matvec_int8 for by_m in layer.tuned)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.matmul import dense_gemm
         from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
             fns = [by_m[m - 1] for by_m in layer.tuned]
-            q8_1 = None  # x quantized once for every int8-dot matrix of the layer (q, k and v of mixed types)
+            # x quantized once for every int8-dot matrix of the layer (q, k and v of mixed types), unless the
+            # op before handed its q8_1 over
             if m == 1 and len(fns) > 1 and all(fn is matvec_int8 for fn, _ in fns):
                 # one row: each matrix writes its columns of the output in place (no cat launch)
                 y = torch.empty(1, layer.out_features, device=x.device)
-                q8_1 = quantize_q8_1(x)
+                q8_1 = q8_1 or quantize_q8_1(x)
                 at = 0
                 for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
                     fn(x, w, **cfg, q8_1=q8_1, out=y[:, at : at + w.n])
@@ -185,5 +196,9 @@ class QuantLinear(nn.Module):
         if biases is not None:
             self.bias = nn.Parameter(torch.cat(biases).float().to(device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
+        """x [T, in]; q8_1: x's q8_1 copy where wants_q8_1(T) and the op before wrote it."""
+        return self.method.apply(self, x, q8_1)
+
+    def wants_q8_1(self, m: int) -> bool:
+        return self.method.wants_q8_1(self, m)

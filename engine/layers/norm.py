@@ -1,12 +1,16 @@
 """RMSNorm as llama.cpp and transformers compute it: x / sqrt(mean(x^2) + eps) * w, in f32; and the SiLU gate.
 
 On a GPU one Triton launch (triton_kernels/fused.py) does what the torch code below does in six; the
-torch code is the CPU path and the kernel's reference."""
+torch code is the CPU path and the kernel's reference. The `*_q8_1` forms also hand back the output's q8_1
+copy when the matmuls after them take it (a GPU decode step on int8-dot mat-vecs, QuantLinear.wants_q8_1),
+written by the same launch; elsewhere the copy is None and the matmul quantizes for itself, if at all."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+Q8_1 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # triton_kernels/q8_1.py: (int8 codes, scales, scaled sums)
 
 
 class RMSNorm(nn.Module):
@@ -24,21 +28,33 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight).to(x.dtype)
 
-    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, this norm of it): the residual add and the next norm, one launch on a GPU."""
+    def forward_q8_1(self, x: torch.Tensor, want: bool) -> tuple[torch.Tensor, Q8_1 | None]:
+        """(this norm of x [T, N], its q8_1 where `want` and x is on a GPU, else None)."""
+        if want and x.is_cuda and x.dim() == 2:
+            from vegaserve.triton_kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, q8_1=True)
+        return self(x), None
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor,
+                    want_q8_1: bool = False) -> tuple[torch.Tensor, torch.Tensor, Q8_1 | None]:
+        """(h + delta, this norm of it, the norm's q8_1 as in forward_q8_1): the residual add and the next
+        norm, one launch on a GPU."""
         if h.is_cuda and h.dtype == delta.dtype and h.dim() == 2 and h.shape == delta.shape:
             from vegaserve.triton_kernels.fused import add_rms_norm
 
-            return add_rms_norm(h, delta, self.weight, self.eps)
+            out = add_rms_norm(h, delta, self.weight, self.eps, q8_1=want_q8_1)
+            return out if want_q8_1 else (*out, None)
         h = h + delta
-        return h, self(h)
+        return (h, *self.forward_q8_1(h, want_q8_1))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up output [T, 2F] (gate rows first): one launch on a GPU."""
+def silu_mul_q8_1(gate_up: torch.Tensor, want: bool) -> tuple[torch.Tensor, Q8_1 | None]:
+    """(silu(gate) * up of a fused gate/up output [T, 2F] (gate rows first), its q8_1 where `want` and it is
+    on a GPU, else None): one launch on a GPU."""
     if gate_up.is_cuda:
         from vegaserve.triton_kernels.fused import silu_mul as kernel
 
-        return kernel(gate_up)
+        return kernel(gate_up, q8_1=True) if want else (kernel(gate_up), None)
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.silu(gate) * up, None

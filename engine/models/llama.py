@@ -29,7 +29,7 @@ from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
-from vegaserve.engine.layers.norm import RMSNorm, silu_mul
+from vegaserve.engine.layers.norm import RMSNorm, silu_mul_q8_1
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
@@ -98,10 +98,10 @@ class DecoderLayer(nn.Module):
         layer before leaves its own delta the same way: its add and this layer's norm are one launch."""
         T = h.shape[0]
         if delta is None:
-            x = self.attn_norm(h)
+            x, xq = self.attn_norm.forward_q8_1(h, self.qkv.wants_q8_1(T))
         else:
-            h, x = self.attn_norm.add_forward(h, delta)
-        qkv = self.qkv(x)
+            h, x, xq = self.attn_norm.add_forward(h, delta, self.qkv.wants_q8_1(T))
+        qkv = self.qkv(x, xq)
         q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
@@ -113,8 +113,9 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
             q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale)
-        h, x = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))))
-        return h, self.comm.all_reduce(self.down(silu_mul(self.gate_up(x))))
+        h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))),
+                                             self.gate_up.wants_q8_1(T))
+        return h, self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T))))
 
 
 class LlamaModel(nn.Module):
@@ -186,7 +187,8 @@ class LlamaModel(nn.Module):
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Last stage: logits [len(batch.logits_rows), vocab] in f32, gathered over the lanes."""
-        logits = self.lm_head(self.norm(h[batch.logits_rows])).float()
+        h = h[batch.logits_rows]
+        logits = self.lm_head(*self.norm.forward_q8_1(h, self.lm_head.wants_q8_1(h.shape[0]))).float()
         if self.comm.tp == 1:
             return logits
         pad = self.vocab_width - logits.shape[1]

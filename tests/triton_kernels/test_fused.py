@@ -47,8 +47,8 @@ def test_add_rms_norm_equals_the_residual_add_then_the_torch_norm(n):
     h_out, y = add_rms_norm(h.to(DEVICE), delta.to(DEVICE), norm.weight.to(DEVICE), 1e-6)
     assert torch.equal(h_out.cpu(), h + delta)  # the add itself is exact: same type, same rounding
     assert rel(y, norm(h + delta)) < 1e-6
-    h2, y2 = norm.add_forward(h, delta)  # the CPU path of the same call
-    assert torch.equal(h2, h + delta) and torch.equal(y2, norm(h + delta))
+    h2, y2, none = norm.add_forward(h, delta)  # the CPU path of the same call
+    assert torch.equal(h2, h + delta) and torch.equal(y2, norm(h + delta)) and none is None
 
 
 def test_rope_of_q_and_k_in_one_call_equals_two_calls():
@@ -100,3 +100,31 @@ def test_shapes_the_kernels_cannot_take_are_refused():
         rope(torch.zeros(2, 1, 8), torch.zeros(2, dtype=torch.long), torch.zeros(4, 2), torch.zeros(4, 2), 3, False)
     with pytest.raises(ValueError, match="2F"):
         silu_mul(torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("n", [96, 1056])
+def test_norms_and_silu_mul_write_the_q8_1_of_their_output_as_quantize_q8_1_does(n):
+    """q8_1=True: the same output, and its q8_1 equal byte for byte to quantize_q8_1 of that output (a
+    size that is no power of two, so the last q8_1 blocks of a program are masked; SiLU-mul's rows span
+    two programs at 1056)."""
+    from vegaserve.triton_kernels.q8_1 import quantize_q8_1
+
+    gen = torch.Generator().manual_seed(n + 7)
+    w = torch.randn(n, generator=gen).to(DEVICE)
+    x = (torch.randn(3, n, generator=gen) * 2).to(DEVICE)
+    delta = torch.randn(3, n, generator=gen).to(DEVICE)
+    gate_up = torch.randn(3, 2 * n, generator=gen).to(DEVICE)
+
+    def same_q8_1(y, q8):
+        ref = quantize_q8_1(y)
+        assert all(torch.equal(a, b) for a, b in zip(q8, ref, strict=True))
+
+    y, q8 = rms_norm(x, w, 1e-5, q8_1=True)
+    assert torch.equal(y, rms_norm(x, w, 1e-5))
+    same_q8_1(y, q8)
+    h, y, q8 = add_rms_norm(x, delta, w, 1e-5, q8_1=True)
+    assert all(torch.equal(a, b) for a, b in zip((h, y), add_rms_norm(x, delta, w, 1e-5), strict=True))
+    same_q8_1(y, q8)
+    y, q8 = silu_mul(gate_up, q8_1=True)
+    assert torch.equal(y, silu_mul(gate_up))
+    same_q8_1(y, q8)

@@ -73,7 +73,8 @@ def test_shape_classes():
 
 def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_path, monkeypatch):
     """"matvec_kernel" chooses the flat kernel for Q4_0 and the int8 one for Q4_K; a layer of Q4_0, Q8_0
-    and Q4_K stacked then runs one kernel of each (counted) and still equals the reference products."""
+    and Q4_K stacked then runs one kernel of each (counted) and still equals the reference products; it
+    takes a q8_1 copy of x from its caller instead of quantizing x itself."""
     from dataclasses import replace
 
     import torch
@@ -114,6 +115,14 @@ def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_
     q, d, _ = matvec_int8.quantize_q8_1(x.to(device))
     ref = matvec_int8.reference_matvec_q8_1(q.cpu(), d.cpu(), cpu[2])
     assert float((y[:, 48:] - ref).norm() / ref.norm()) < 1e-5
+    # a q8_1 copy handed over (as the norm before writes it) is used, not made again
+    assert layer.wants_q8_1(3) and not layer.wants_q8_1(9)
+    q8 = matvec_int8.quantize_q8_1(x.to(device))
+    made = []
+    real_q = matvec_int8.quantize_q8_1
+    monkeypatch.setattr(matvec_int8, "quantize_q8_1", lambda *a: made.append(1) or real_q(*a))
+    assert torch.equal(layer(x.to(device), q8).cpu().double(), y) and not made
+    assert torch.equal(layer(x.to(device)).cpu().double(), y) and made == [1]
 
 
 def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_path, monkeypatch):
