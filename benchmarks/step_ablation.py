@@ -75,7 +75,7 @@ def _no_add_norm(self, h, delta, want_q8_1=False):
     return h, h, _cached_q8_1(h) if want_q8_1 else None
 
 
-def _no_rope(self, x, positions):
+def _no_rope(self, x, positions, store=None):
     return x
 
 
@@ -96,7 +96,7 @@ def _split_cat(real: Callable) -> Callable:
 def ablations() -> dict[str, list[tuple[object, str, object]]]:
     quant = [(matvec_int8, "quantize_q8_1", _cached_q8_1)]
     attend = [(attention, "attend", _no_attend)]
-    write = [(attention, "write_kv", lambda *a, **k: None)]
+    write = [(attention, "write_kv", lambda *a, **k: None), (llama, "kv_store", lambda *a, **k: None)]
     norms = [(norm.RMSNorm, "forward", _no_norm), (norm.RMSNorm, "forward_q8_1", _no_norm_q8_1),
              (norm.RMSNorm, "add_forward", _no_add_norm)]
     rope = [(rotary.RotaryEmbedding, "forward", _no_rope)]
@@ -105,7 +105,7 @@ def ablations() -> dict[str, list[tuple[object, str, object]]]:
     matmul = [(linear.TritonMethod, "apply", _no_matmul)]
     small = quant + attend + write + norms + rope + silu + cat
     return {
-        "whole graph": [], "- q8_1 quantize launches": quant, "- attention (split, combine)": attend, "- KV write": write,
+        "whole graph": [], "- q8_1 quantize launches": quant, "- attention (split, combine)": attend, "- KV write (rope's store)": write,
         "- norms": norms, "- RoPE": rope, "- SiLU-mul": silu, "- cat of mixed types": cat,
         "- every mat-vec (and its quantize)": matmul, "mat-vecs and quantize only": small[1:],
         "mat-vecs only": small,

@@ -25,7 +25,7 @@ from vegaserve.triton_kernels.attention_prefill import prefill_attention, refere
 
 
 @triton.jit
-def _to_cache(x, cache_ptr):
+def to_cache(x, cache_ptr):
     """x in the cache's type, rounded to nearest even as torch's .to() (a narrowing cast in Triton
     truncates unless told; same type: unchanged)."""
     if x.dtype == cache_ptr.dtype.element_ty:
@@ -49,9 +49,9 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     d = tl.arange(0, BLOCK_D)[None, :]
     live = (h < KV) & (d < D)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=live)
-    tl.store(kc_ptr + s * stride_kcs + h * stride_kch + d, _to_cache(k, kc_ptr), mask=live)
+    tl.store(kc_ptr + s * stride_kcs + h * stride_kch + d, to_cache(k, kc_ptr), mask=live)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=live)
-    tl.store(vc_ptr + s * stride_vcs + h * stride_vch + d, _to_cache(v, vc_ptr), mask=live)
+    tl.store(vc_ptr + s * stride_vcs + h * stride_vch + d, to_cache(v, vc_ptr), mask=live)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

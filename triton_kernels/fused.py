@@ -15,11 +15,14 @@ without its launch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.attention import to_cache
 from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
@@ -121,10 +124,15 @@ _ROPE_HEADS = 4  # heads per program
 
 @triton.jit
 def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, H,
+                 kc_ptr, vc_ptr, slot_ptr, v_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_vt,
+                 stride_vh, FIRST_K,
                  D: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
-                 HALF: tl.constexpr, REST: tl.constexpr, PDL: tl.constexpr):
+                 HALF: tl.constexpr, REST: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PDL: tl.constexpr):
     """Token program_id(0), heads program_id(1) * BLOCK_H onwards: pairs (i, i + ROT/2) (NEOX) or
-    (2i, 2i + 1) rotate by the angle of pair i at the token's position; features ROT.. D are copied."""
+    (2i, 2i + 1) rotate by the angle of pair i at the token's position; features ROT.. D are copied.
+    STORE: heads FIRST_K.. are keys: each rotated key row (as stored in y) also goes to the token's cache
+    slot, and the value row of the same kv head with it, both in the caches' type (write_kv's store)."""
     pdl.let_next_start(PDL)
     pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -144,33 +152,72 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     dst = y_ptr + (t * H + h) * D
     a = tl.load(src + ia, mask=live, other=0.0).to(tl.float32)
     b = tl.load(src + ib, mask=live, other=0.0).to(tl.float32)
-    tl.store(dst + ia, (a * cos - b * sin).to(y_ptr.dtype.element_ty), mask=live)
-    tl.store(dst + ib, (b * cos + a * sin).to(y_ptr.dtype.element_ty), mask=live)
+    ra = (a * cos - b * sin).to(y_ptr.dtype.element_ty)
+    rb = (b * cos + a * sin).to(y_ptr.dtype.element_ty)
+    tl.store(dst + ia, ra, mask=live)
+    tl.store(dst + ib, rb, mask=live)
+    if STORE:
+        s = tl.load(slot_ptr + t).to(tl.int64)
+        kv = h - FIRST_K  # the kv head of a key row (negative: a query row, nothing stored)
+        key = (kv >= 0) & (h < H)
+        kdst = kc_ptr + s * stride_kcs + kv * stride_kch
+        tl.store(kdst + ia, to_cache(ra, kc_ptr), mask=live & key)
+        tl.store(kdst + ib, to_cache(rb, kc_ptr), mask=live & key)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        vm = key & (d < D)
+        vrow = tl.load(v_ptr + t * stride_vt + kv * stride_vh + d, mask=vm)
+        tl.store(vc_ptr + s * stride_vcs + kv * stride_vch + d, to_cache(vrow, vc_ptr), mask=vm)
     if REST > 0:
         j = ROT + tl.arange(0, REST)[None, :]
         keep = (h < H) & (j < D)
-        tl.store(dst + j, tl.load(src + j, mask=keep, other=0.0), mask=keep)
+        rest = tl.load(src + j, mask=keep, other=0.0)
+        tl.store(dst + j, rest, mask=keep)
+        if STORE:
+            tl.store(kdst + j, to_cache(rest, kc_ptr), mask=keep & key)
+
+
+class KVStore(NamedTuple):
+    """Where rope also writes the keys it rotates: the layer's caches [slots, KV, D], the tokens' slots [T]
+    (int64), the values [T, KV, D] (unit stride over D) and the first key head of the rotated heads."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    v: torch.Tensor
+    first_k: int
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
-         neox: bool) -> torch.Tensor:
+         neox: bool, store: KVStore | None = None) -> torch.Tensor:
     """x [T, H, D] (any strides over T and H, unit stride over D), positions [T], cos/sin [max_pos,
-    rope_dim / 2] f32 (the angles times the magnitude scale) -> rotated copy [T, H, D], x's type."""
+    rope_dim / 2] f32 (the angles times the magnitude scale) -> rotated copy [T, H, D], x's type. `store`:
+    the heads from store.first_k on are keys; they and the values go to the cache in the same launch (the
+    store attention.write_kv would make; the caller then skips it)."""
     T, H, D = x.shape
     if x.stride(2) != 1 or rope_dim % 2 or rope_dim > D:
         raise ValueError(f"rope takes [T, H, D] with unit stride over D and an even rope_dim <= D; got "
                          f"{tuple(x.shape)} {x.stride()} rope_dim {rope_dim}")
     y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if store is not None:
+        kc, vc, slots, v, first = store
+        if (slots.shape != (T,) or v.shape != (T, H - first, D) or kc.shape[1:] != v.shape[1:]
+                or vc.shape != kc.shape or v.stride(2) != 1 or kc.stride(2) != 1 or vc.stride(2) != 1):
+            raise ValueError(f"rope's cache store: {H - first} key heads of {tuple(x.shape)}, values "
+                             f"{tuple(v.shape)}, slots {tuple(slots.shape)}, caches {tuple(kc.shape)}")
+        cache_args = (kc, vc, slots, v, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), v.stride(0),
+                      v.stride(1), first)
+    else:
+        cache_args = (y, y, positions, y, 0, 0, 0, 0, 0, 0, H)
     if T:
         rest = D - rope_dim
         # a few heads per program: one program for a decode token's 40 heads took 8.8 us on an H200 (one
         # SM), a tenth of the launch's data per program spreads it over ten
         block_h = min(triton.next_power_of_2(H), _ROPE_HEADS)
         _rope_kernel[(T, triton.cdiv(H, block_h))](
-            x, y, positions, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), H,
+            x, y, positions, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), H, *cache_args,
             D=D, ROT=rope_dim, NEOX=neox, BLOCK_H=block_h,
             HALF=triton.next_power_of_2(max(rope_dim // 2, 1)), REST=triton.next_power_of_2(rest) if rest else 0,
-            **pdl.launch_args(x.device),
+            STORE=store is not None, BLOCK_D=triton.next_power_of_2(D), **pdl.launch_args(x.device),
         )
     return y
 

@@ -49,19 +49,33 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
+def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, first_k: int):
+    """On a GPU, where the rotation of the keys (RotaryEmbedding's `store`) writes the new keys and values
+    to the cache in its own launch: the caches of `layer`, the new tokens' slots, v [T, KV, D] and the
+    first key head among the rotated heads. None elsewhere (the torch path writes in cached_attention)."""
+    if v.device.type != "cuda":
+        return None
+    from vegaserve.triton_kernels.fused import KVStore
+
+    return KVStore(cache.k[layer], cache.v[layer], batch.attention.new_slots, v, first_k)
+
+
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache; returns [T, H, D]."""
+    """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache unless `stored` (the
+    rotation wrote them, kv_store); returns [T, H, D]."""
     # ROCm builds of torch name HIP devices "cuda" as well; a batch without slot lists (a decode graph's
     # static batch, engine/cuda_graphs.py) has only the kernels' inputs
     if q.device.type == "cuda" or not batch.seqs:
-        return paged_attention(q, k, v, layer, cache, batch, scale)
+        return paged_attention(q, k, v, layer, cache, batch, scale, stored)
     return torch_attention(q, k, v, layer, cache, batch, scale)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
+    stored: bool = False,
 ) -> torch.Tensor:
     """cached_attention through the Triton kernels: decode when every sequence brings one token, else the
     prefill kernel for the whole (possibly mixed) batch."""
@@ -69,7 +83,8 @@ def paged_attention(
 
     a = batch.attention
     kc, vc = cache.k[layer], cache.v[layer]
-    write_kv(kc, vc, a.new_slots, k, v)
+    if not stored:
+        write_kv(kc, vc, a.new_slots, k, v)
     return attend(q, kc, vc, a.block_tables, a.seq_lens, a.query_start, scale, a.page_size, a.max_seq_len,
                   a.max_query_len)
 

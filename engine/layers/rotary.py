@@ -62,13 +62,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos() * mscale, persistent=False)
         self.register_buffer("sin", angles.sin() * mscale, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, store=None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T]. One Triton launch on a GPU (triton_kernels/fused.py),
-        the torch code below elsewhere (and as its reference)."""
+        the torch code below elsewhere (and as its reference). `store` (a GPU only, layers/attention.py
+        kv_store): the same launch writes the rotated keys and the values to the KV cache."""
         if x.is_cuda:
             from vegaserve.triton_kernels.fused import rope
 
-            return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox)
+            return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox, store)
+        if store is not None:
+            raise ValueError("the cache store in the rotation is the GPU kernel's")
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, d/2]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]

@@ -84,6 +84,34 @@ def test_rope_equals_the_torch_rotary_on_qkv_views(neox, rope_dim):
         assert rel(y, rot(ref, positions)) < 1e-6
 
 
+@pytest.mark.parametrize("neox, rope_dim", [(False, 64), (True, 32)], ids=["norm-full", "neox-partial"])
+def test_rope_with_the_cache_store_writes_what_write_kv_writes(neox, rope_dim):
+    """store: the rotated keys and the values go to the cache in the rope launch: the same rotated output
+    as without it, and caches (f16, filled with NaN around) equal element for element to write_kv of the
+    rotated keys and the values. 9 query and 3 key heads (SmolLM2's), so one program holds both kinds."""
+    from vegaserve.triton_kernels.attention import write_kv
+    from vegaserve.triton_kernels.fused import KVStore
+
+    gen = torch.Generator().manual_seed(rope_dim + 3 * neox)
+    T, H, KV, D = 4, 9, 3, 64
+    rot = RotaryEmbedding(D, rope_dim, 10000.0, 64, RopeScaling(), neox)
+    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=gen).to(DEVICE)
+    qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+    v = qkv[:, (H + KV) * D :].view(T, KV, D)
+    positions = torch.tensor([2, 9, 33, 60]).to(DEVICE)
+    slots = torch.tensor([5, 0, 11, 7]).to(DEVICE)
+    caches = [torch.full((12, KV, D), float("nan"), dtype=torch.float16, device=DEVICE) for _ in range(4)]
+    y = rope(qk, positions, cos, sin, rope_dim, neox, KVStore(caches[0], caches[1], slots, v, H))
+    ref = rope(qk, positions, cos, sin, rope_dim, neox)
+    assert torch.equal(y, ref)
+    write_kv(caches[2], caches[3], slots, ref[:, H:], v)
+    for got, want in zip(caches[:2], caches[2:], strict=True):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="cache store"):
+        rope(qk, positions, cos, sin, rope_dim, neox, KVStore(caches[0], caches[1], slots, v, H - 1))
+
+
 def test_silu_mul_equals_torch_over_several_column_blocks():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 2 * 1500, generator=gen) * 4
