@@ -35,11 +35,12 @@ class TokenReadback:
     with an event after it: result() waits for that event. A plain read (tokens.tolist()) would be queued
     behind everything launched since, and with async decode that is the whole next step: the host would get
     step N's tokens only when step N+1 had finished, and launch step N+2 while the device sat idle (0.38 ms
-    of a 2.77 ms step of the 8B model on an H200, docs/PERF.md). Two buffers, used in turn, grown in powers
-    of two and kept."""
+    of a 2.77 ms step of the 8B model on an H200, docs/PERF.md). Two buffers and their events, used in
+    turn; the buffers grow in powers of two and are kept, so a steady state allocates nothing."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self.events: list[torch.cuda.Event] = []
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -47,10 +48,10 @@ class TokenReadback:
         if not self.buffers or self.buffers[0].numel() < n:
             size = 1 << max(6, (n - 1).bit_length())
             self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
         self.turn ^= 1
-        host = self.buffers[self.turn][:n]
+        host, done = self.buffers[self.turn][:n], self.events[self.turn]
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
         done.record()
         return host, done
 

@@ -41,21 +41,18 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, s
     mine = sc < N
     w = tl.load(w_ptr + sc, mask=mine, other=0.0).to(tl.float32)
     pdl.wait_for_inputs(PDL)
-    if SLICE == BLOCK:
-        x = tl.load(x_ptr + row * stride_x + sc, mask=mine, other=0.0)
-        if ADD:
-            x = x + tl.load(d_ptr + row * stride_d + sc, mask=mine, other=0.0)
-        xf = x.to(tl.float32)
-        ss = tl.sum(xf * xf, axis=0)
+    cols = tl.arange(0, BLOCK)
+    whole = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
+    if ADD:
+        whole = whole + tl.load(d_ptr + row * stride_d + cols, mask=cols < N, other=0.0)
+    wf = whole.to(tl.float32)
+    ss = tl.sum(wf * wf, axis=0)
+    if SLICE == BLOCK:  # one program a row: its slice is the row
+        x = whole
     else:
-        cols = tl.arange(0, BLOCK)
-        whole = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
         x = tl.load(x_ptr + row * stride_x + sc, mask=mine, other=0.0)
         if ADD:
-            whole = whole + tl.load(d_ptr + row * stride_d + cols, mask=cols < N, other=0.0)
             x = x + tl.load(d_ptr + row * stride_d + sc, mask=mine, other=0.0)
-        wf = whole.to(tl.float32)
-        ss = tl.sum(wf * wf, axis=0)
     if ADD:
         tl.store(h_ptr + row * N + sc, x, mask=mine)
     r = 1.0 / tl.sqrt(ss / N + eps)
