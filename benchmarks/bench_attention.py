@@ -5,6 +5,9 @@ timed. Prints a table and one JSON line per row.
     python benchmarks/bench_attention.py [--batches 1,4,16,64] [--contexts 512,2048,8192] [--prefill 2048]
         [--decode-configs '[{"block_n": 64, "partition": 256}]'] [--prefill-configs '[{"block_m": 64}]']
     python benchmarks/bench_attention.py --tiny      # correctness only, tiny shapes; runs under the interpreter
+    python benchmarks/bench_attention.py --graph 32 --batches 1 --contexts 176 --prefill ''
+        # decode as the decode graph runs it: 32 calls (one per layer) captured back to back and replayed,
+        # the median per call (no launch latency from the host; do_bench otherwise)
 
 Shapes default to Llama-3-8B's attention (32 query heads over 8 kv heads, head_dim 128) with an f16 cache
 of 16-slot pages, pages shuffled across the pool. Ceilings measured in the same run: decode reads K and V
@@ -28,6 +31,7 @@ import triton  # noqa: E402
 
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode  # noqa: E402
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill  # noqa: E402
+from vegaserve.triton_kernels.timing import bench_graph  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
@@ -78,7 +82,7 @@ def decode_row(args, dtype, batch: int, ctx: int, cfg: dict, timed: bool, bw: fl
     err = rel_err(run()[:check], reference_decode(q[:check], k, v, tables[:check], seq_lens[:check], scale, args.page))
     row = {"op": "decode", "batch": batch, "context": ctx, "relerr": err, "cfg": cfg}
     if timed:
-        ms = bench(run)
+        ms = bench_graph([run] * args.graph) if args.graph else bench(run)
         nbytes = 2 * batch * ctx * args.kv_heads * args.head_dim * k.element_size()
         row.update(ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, pct_bw=100 * nbytes / (ms * 1e-3) / bw)
     return row
@@ -138,6 +142,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
     ap.add_argument("--decode-configs", default="[{}]", help="JSON list of decode launch overrides; each is run")
     ap.add_argument("--prefill-configs", default="[{}]", help="JSON list of prefill launch overrides")
+    ap.add_argument("--graph", type=int, default=0,
+                    help="time decode as N calls replayed in one graph (0: do_bench, one launch per call)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, correctness only (the interpreter on a CPU)")
     args = ap.parse_args()
     timed = torch.cuda.is_available()
@@ -162,7 +168,7 @@ def main() -> None:
             for ctx in (int(x) for x in args.contexts.split(",")):
                 wrong += not show(decode_row(args, dtype, batch, ctx, cfg, timed, bw), tol)
     for cfg in json.loads(args.prefill_configs):
-        for total in (int(x) for x in args.prefill.split(",")):
+        for total in (int(x) for x in args.prefill.split(",") if x):
             chunk = min(512, total // 2)
             for cached, new in ((0, total), (total - chunk, chunk)):
                 wrong += not show(prefill_row(args, dtype, cached, new, cfg, timed), tol)
