@@ -63,6 +63,10 @@ def _no_attend(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
+def _no_attend_rope(qk, v, rope, layer, cache, batch, scale, n_heads):
+    return torch.empty(qk.shape[0], n_heads, qk.shape[2], device=qk.device, dtype=qk.dtype)
+
+
 def _no_norm(self, x):
     return x
 
@@ -95,7 +99,7 @@ def _split_cat(real: Callable) -> Callable:
 
 def ablations() -> dict[str, list[tuple[object, str, object]]]:
     quant = [(matvec_int8, "quantize_q8_1", _cached_q8_1)]
-    attend = [(attention, "attend", _no_attend)]
+    attend = [(attention, "attend", _no_attend), (llama, "decode_attention_rope", _no_attend_rope)]
     write = [(attention, "write_kv", lambda *a, **k: None), (llama, "kv_store", lambda *a, **k: None)]
     norms = [(norm.RMSNorm, "forward", _no_norm), (norm.RMSNorm, "forward_q8_1", _no_norm_q8_1),
              (norm.RMSNorm, "add_forward", _no_add_norm)]
@@ -105,7 +109,8 @@ def ablations() -> dict[str, list[tuple[object, str, object]]]:
     matmul = [(linear.TritonMethod, "apply", _no_matmul)]
     small = quant + attend + write + norms + rope + silu + cat
     return {
-        "whole graph": [], "- q8_1 quantize launches": quant, "- attention (split, combine)": attend, "- KV write (rope's store)": write,
+        "whole graph": [], "- q8_1 quantize launches": quant,
+        "- attention (decode: with RoPE and the KV write)": attend, "- KV write (rope's store)": write,
         "- norms": norms, "- RoPE": rope, "- SiLU-mul": silu, "- cat of mixed types": cat,
         "- every mat-vec (and its quantize)": matmul, "mat-vecs and quantize only": small[1:],
         "mat-vecs only": small,

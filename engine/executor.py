@@ -36,7 +36,7 @@ from vegaserve.engine.distributed.topology import (
 )
 from vegaserve.engine.distributed.worker import StageWorker, StepPlan, worker_main
 from vegaserve.engine.gguf_file import GGUFFile
-from vegaserve.engine.layers.attention import kv_cache_dtype
+from vegaserve.engine.layers.attention import kv_cache_dtype, set_decode_rope
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.registry import load_model
 from vegaserve.triton_kernels.dequant import spec_for
@@ -187,6 +187,7 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         from vegaserve.triton_kernels import pdl
 
         pdl.set_enabled(cfg.kernels.pdl)
+        set_decode_rope(cfg.kernels.decode_rope)
     graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)

@@ -20,20 +20,9 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.attention_common import to_cache
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill
-
-
-@triton.jit
-def to_cache(x, cache_ptr):
-    """x in the cache's type, rounded to nearest even as torch's .to() (a narrowing cast in Triton
-    truncates unless told; same type: unchanged)."""
-    if x.dtype == cache_ptr.dtype.element_ty:
-        return x
-    elif cache_ptr.dtype.element_ty == tl.float32:
-        return x.to(tl.float32)
-    else:
-        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
 
 
 @triton.jit

@@ -107,6 +107,27 @@ def head_tiles(D: int, dtype: torch.dtype) -> tuple[int, bool]:
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x in the cache's type, rounded to nearest even as torch's .to() (a narrowing cast in Triton
+    truncates unless told; same type: unchanged)."""
+    if x.dtype == cache_ptr.dtype.element_ty:
+        return x
+    elif cache_ptr.dtype.element_ty == tl.float32:
+        return x.to(tl.float32)
+    else:
+        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def tile_slots(table, kstart, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache slots [BLOCK_N] (int64) of key positions kstart .. kstart + BLOCK_N - 1, read through the
+    sequence's block table row; positions at or past hi give slot 0 (never loaded)."""
+    pos = kstart + tl.arange(0, BLOCK_N)
+    page = tl.load(table + pos // PAGE, mask=pos < hi, other=0)
+    return page.to(tl.int64) * PAGE + pos % PAGE
+
+
+@triton.jit
 def attend_tile(
     acc, l, m, q, k_head, v_head, table,  # running state [R, BLOCK_D] / [R] / [R], q [R, BLOCK_D], pointers
     kstart, hi, qpos, qk_scale,  # first key position of the tile, end of the keys, query positions [R]
@@ -118,11 +139,19 @@ def attend_tile(
     softmax state of the rows of q. k_head / v_head point at the tile's kv head in slot 0, table at the
     sequence's block table row. The caller guarantees every row sees a key in its first tile, so m is
     finite after it and no 2^(-inf - -inf) arises."""
+    slot = tile_slots(table, kstart, hi, PAGE, BLOCK_N)
+    return attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale, stride_ks, stride_vs,
+                        HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, DOT_F32)
+
+
+@triton.jit
+def attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale, stride_ks, stride_vs,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """attend_tile with the tile's cache slots already read (tile_slots): a caller can read them ahead."""
     pos = kstart + tl.arange(0, BLOCK_N)
     kmask = pos < hi
     d = tl.arange(0, BLOCK_D)
-    page = tl.load(table + pos // PAGE, mask=kmask, other=0)
-    slot = page.to(tl.int64) * PAGE + pos % PAGE
     lmask = kmask[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=lmask, other=0.0)
     v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=lmask, other=0.0)

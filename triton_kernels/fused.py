@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.attention import to_cache
+from vegaserve.triton_kernels.attention_common import to_cache
 from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
@@ -131,14 +131,18 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     STORE: heads FIRST_K.. are keys: each rotated key row (as stored in y) also goes to the token's cache
     slot, and the value row of the same kv head with it, both in the caches' type (write_kv's store)."""
     pdl.let_next_start(PDL)
-    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
+    # the step's positions and slots (written before its first kernel, pdl.py) and the angle tables:
+    # read before the wait, so that after it only x and v are waited for
     p = tl.load(pos_ptr + t).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, HALF)[None, :]
     live = (h < H) & (i < ROT // 2)
     cos = tl.load(cos_ptr + p * (ROT // 2) + i, mask=i < ROT // 2, other=0.0)
     sin = tl.load(sin_ptr + p * (ROT // 2) + i, mask=i < ROT // 2, other=0.0)
+    if STORE:
+        s = tl.load(slot_ptr + t).to(tl.int64)
+    pdl.wait_for_inputs(PDL)
     if NEOX:
         ia = i
         ib = i + ROT // 2
@@ -154,7 +158,6 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     tl.store(dst + ia, ra, mask=live)
     tl.store(dst + ib, rb, mask=live)
     if STORE:
-        s = tl.load(slot_ptr + t).to(tl.int64)
         kv = h - FIRST_K  # the kv head of a key row (negative: a query row, nothing stored)
         key = (kv >= 0) & (h < H)
         kdst = kc_ptr + s * stride_kcs + kv * stride_kch

@@ -4,9 +4,12 @@ loads overlap the previous kernel's last wave instead of following it.
 
 Every kernel that takes part calls `let_next_start` first (the next kernel may be scheduled once all of
 this kernel's programs have started) and `wait_for_inputs` before it reads anything an earlier kernel
-wrote and before it writes anything at all; only reads of memory no kernel writes (weights) may come
-before the wait. The wait returns once the previous kernel has finished and its writes are visible, and
-since that kernel waited on its own predecessor, everything earlier in the stream is finished too.
+wrote and before it writes anything at all. Before the wait come only reads of memory that no kernel
+launched with PDL writes: weights and tables of constants, and a step's inputs (token ids, positions,
+cache slots, lengths, block tables), which host copies and torch's kernels write. Those launch without
+PDL, so the kernel after one starts when it has finished, and every later kernel after that. The wait
+returns once the previous kernel has finished and its writes are visible, and since that kernel waited
+on its own predecessor, everything earlier in the stream is finished too.
 
 Off under the Triton interpreter, on AMD and before sm_90, and after `set_enabled(False)`: the engine
 calls it from its `kernels.pdl` setting (VEGASERVE_PDL=0, engine/env.py); each kernel then starts after

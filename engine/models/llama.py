@@ -26,7 +26,7 @@ from vegaserve.engine.distributed.communicator import Communicator, LocalCommuni
 from vegaserve.engine.distributed.sharding import slice_cols, slice_rows, vocab_slice
 from vegaserve.engine.distributed.topology import kv_heads_per_lane, lane_kv_head
 from vegaserve.engine.forward_batch import ForwardBatch
-from vegaserve.engine.layers.attention import KVCache, cached_attention, kv_store
+from vegaserve.engine.layers.attention import KVCache, cached_attention, decode_attention_rope, kv_store
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.norm import RMSNorm, silu_mul_q8_1
@@ -104,18 +104,23 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(x, xq)
         q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
-        # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer)
+        # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer);
+        # in a decode step the attention kernel rotates and stores them itself (one launch fewer again)
+        a = None
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
             qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
-            store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
-            qk = rope(qk, batch.positions, store)
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads)
+            if a is None:
+                store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
+                qk = rope(qk, batch.positions, store)
+                q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q = self.q_norm(q.view(T, self.n_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
             store = kv_store(v, self.cache_layer, cache, batch, 0)
             q, k = rope(q, batch.positions), rope(k, batch.positions, store)
-        a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
+        if a is None:
+            a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))),
                                              self.gate_up.wants_q8_1(T))
         return h, self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T))))

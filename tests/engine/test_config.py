@@ -156,6 +156,7 @@ ENV_CASES: dict[str, tuple[str, str, str, object]] = {
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
+    "VEGASERVE_DECODE_ROPE": ("1", "kernels", "decode_rope", True),
     "VEGASERVE_ASYNC_DECODE": ("0", "scheduler", "async_decode", False),
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": ("bf16", "kernels", "bf16_compute", True),
     "LLAMA_ENABLE_MTP_OPT": ("1", "speculative", "mtp_opt", True),

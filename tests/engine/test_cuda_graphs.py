@@ -139,3 +139,37 @@ def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path)
     assert greedy(prompts) == eager_tokens
     core.async_decode = False
     assert greedy(prompts) == eager_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode attention runs on a GPU")
+def test_decode_attention_with_its_own_rope_equals_rope_then_attention_on_gpu(gguf_factory, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """A decode step's logits with the attention kernel rotating and storing the new token (the GPU's
+    decode path, layers/attention.py decode_attention_rope) against rope's launch then attention (the
+    path it replaced), eager, from the same cache: three sequences of different lengths."""
+    from vegaserve.engine.models import llama
+
+    from vegaserve.engine.layers import attention
+
+    path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
+           "scheduler": {"max_num_seqs": 4}, "device": "cuda", "kernels": {"decode_rope": True}}
+    core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+    assert attention._decode_rope
+    monkeypatch.setattr(attention, "_decode_rope", True)  # set back to the default after the test
+    worker = core.runner.executor.worker
+    worker.graphs = None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, core.arch.vocab_size, (n,), generator=gen).tolist() for n in (3, 17, 70)]
+    blocks = [core.pool.allocate(-(-(len(p) + 1) // BLOCK)) for p in prompts]
+    worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, BLOCK))
+    plan = StepPlan([(b, len(p), [11]) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, BLOCK)
+    calls = []
+    real = llama.decode_attention_rope
+    monkeypatch.setattr(llama, "decode_attention_rope", lambda *a: calls.append(1) or real(*a))
+    fused = worker.run(plan).clone()
+    assert len(calls) == core.arch.n_layers  # every layer took the fused path
+    monkeypatch.setattr(llama, "decode_attention_rope", lambda *a: None)
+    apart = worker.run(plan)
+    assert rel(fused, apart) < 1e-5

@@ -99,6 +99,52 @@ def test_decode_with_page_size_one_reads_a_plain_slot_list():
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, 1)) < 1e-5
 
 
+@pytest.mark.parametrize("neox,rope_dim,partition", [(False, 64, 32), (True, 48, 32), (True, 64, 128)],
+                         ids=["norm-32", "neox-partial-32", "neox-one-partition"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_decode_with_the_new_token_rotates_and_stores_it_as_rope_then_attention(dtype, neox, rope_dim, partition):
+    """new=NewToken: q and the new k/v as the qkv mat-vec leaves them (views of one output, not rotated,
+    k/v not in the cache: NaN at their slots). The caches after the launch equal those rope's cache store
+    writes, element for element, and the output equals rope-then-decode's (the same rotated q) and the
+    float64 reference on it; across partitions of 32 (the new token in the last one, the others reading
+    none of it) and in one partition (the split kernel writes the output)."""
+    from vegaserve.engine.layers.rotary import RotaryEmbedding
+    from vegaserve.engine.models.arch_config import RopeScaling
+    from vegaserve.triton_kernels.attention_decode import NewToken
+    from vegaserve.triton_kernels.fused import KVStore, rope
+
+    group, D = 4, 64
+    H = group * KV
+    k, v, tables, gen = paged_cache(DECODE_LENS, D, dtype, seed=11 + rope_dim)
+    seq_lens, _ = query_layout(DECODE_LENS, [1] * len(DECODE_LENS))
+    S = len(DECODE_LENS)
+    positions = (seq_lens - 1).long()
+    slots = torch.stack([tables[s, int(p) // PAGE].long() * PAGE + int(p) % PAGE for s, p in enumerate(positions)])
+    k[slots] = float("nan")  # the new token's k/v are not in the cache yet
+    v[slots] = float("nan")
+    qkv = torch.randn(S, (H + 2 * KV) * D, generator=gen).to(dtype).to(DEVICE)
+    qk = qkv[:, : (H + KV) * D].view(S, H + KV, D)
+    new_v = qkv[:, (H + KV) * D :].view(S, KV, D)
+    rot = RotaryEmbedding(D, rope_dim, 10000.0, 128, RopeScaling(), neox)
+    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+
+    k2, v2 = k.clone(), v.clone()
+    rotated = rope(qk, positions, cos, sin, rope_dim, neox, KVStore(k2, v2, slots, new_v, H))
+    want = decode_attention(rotated[:, :H], k2, v2, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
+                            out=nan_like(rotated[:, :H]), block_n=16, partition=partition)
+    new = NewToken(qk[:, H:], new_v, positions, slots, cos, sin, rope_dim, neox)
+    got = decode_attention(qk[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
+                           out=nan_like(rotated[:, :H]), new=new, block_n=16, partition=partition)
+    for a, b in ((k, k2), (v, v2)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.equal(got, want)
+    ref = reference_decode(rotated[:, :H].contiguous(), k2, v2, tables, seq_lens, SCALE, PAGE)
+    assert rel_err(got, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="new token"):
+        decode_attention(qk[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
+                         new=new._replace(slots=slots[:2]))
+
+
 # ----------------------------------------------------------------------------------------------- prefill
 
 # (cached, new): a whole prompt, a chunk after 21 cached, decode tokens at 12 and at 0, a chunk that ends
