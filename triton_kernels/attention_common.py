@@ -149,12 +149,29 @@ def attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_F32: tl.constexpr):
     """attend_tile with the tile's cache slots already read (tile_slots): a caller can read them ahead."""
+    k, v = load_kv(k_head, v_head, slot, kstart, hi, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D)
+    return attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N, CAUSAL, DOT_F32)
+
+
+@triton.jit
+def load_kv(k_head, v_head, slot, kstart, end, stride_ks, stride_vs, HEAD_DIM: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile's keys and values [BLOCK_N, BLOCK_D] at `slot`, those of positions below `end` (0 past it)."""
     pos = kstart + tl.arange(0, BLOCK_N)
-    kmask = pos < hi
     d = tl.arange(0, BLOCK_D)
-    lmask = kmask[:, None] & (d < HEAD_DIM)[None, :]
+    lmask = (pos < end)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=lmask, other=0.0)
     v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=lmask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """Fold a loaded tile (keys k, values v [BLOCK_N, BLOCK_D] of positions kstart.., those below hi
+    counted) into the softmax state, as attend_tile."""
+    pos = kstart + tl.arange(0, BLOCK_N)
+    kmask = pos < hi
     if DOT_F32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

@@ -10,8 +10,10 @@
 With one partition the split kernel writes the output itself and the combine is skipped. Partitions halve
 (down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
 With `new` (NewToken) the split kernel also does what fused.rope with its cache store did before it: it
-rotates q, and the program whose partition holds the new token's position rotates that token's key and
-stores it and its value in the cache before it reads its tiles (a decode layer's launches: 3 -> 2).
+rotates q and the new token's key, and the program whose partition holds the new position stores that key
+and its value in the cache (a decode layer's launches: 3 -> 2). No program reads the new key from the
+cache: each takes it from registers into its tile, so the other keys, all written by earlier steps, are
+read before the PDL wait like a mat-vec's weights (the first tile; each next one a tile ahead).
 
 Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
 """
@@ -28,11 +30,13 @@ import triton.language as tl
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
+    attend_kv,
     attend_slots,
     check_inputs,
     gather_keys,
     head_tiles,
     launch_params,
+    load_kv,
     reference_attention,
     tile_slots,
     to_cache,
@@ -56,8 +60,7 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     # the step's lengths, block tables, positions and slots are written before its first kernel (pdl.py):
-    # read before the wait, with the first tile's cache slots and the angles, so that after it only q,
-    # the new k/v and the cache are waited for
+    # read before the wait, with the first tile's cache slots and the angles
     seq_len = tl.load(lens_ptr + seq)
     lo = part * PARTITION
     hi = tl.minimum(lo + PARTITION, seq_len)
@@ -67,19 +70,24 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
     if ROPE:
         angles = rope_angles(pos_ptr + seq, cos_ptr, sin_ptr, d, ROT, NEOX)
         new_slot = tl.load(new_slot_ptr + seq).to(tl.int64)
-    pdl.wait_for_inputs(PDL)  # q and the cache (this step's key and value included, unless ROPE)
+        # every key but the new token's was written by an earlier step, and this kernel writes only the new
+        # one: the first tile's keys and values are read before the wait too (the new one comes in registers)
+        old_end = seq_len - 1
+        k, v = load_kv(k_head, v_head, slot, lo, old_end, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D)
+    pdl.wait_for_inputs(PDL)  # q, and (unless ROPE) the cache with this step's key and value
     if ROPE:
         q = rotate(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh, d, qmask, angles)
-        if part == (seq_len - 1) // PARTITION:  # the partition that holds the new token: its k and v
-            one = d[None, :] < HEAD_DIM
-            k_new = rotate(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh, d, one, angles)
-            tl.store(k_ptr + new_slot * stride_ks + kvh * stride_kh + d[None, :], to_cache(k_new, k_ptr), mask=one)
-            v_new = tl.load(vn_ptr + seq.to(tl.int64) * stride_vns + kvh * stride_vnh + d[None, :], mask=one)
-            tl.store(v_ptr + new_slot * stride_vs + kvh * stride_vh + d[None, :], to_cache(v_new, v_ptr), mask=one)
-        tl.debug_barrier()  # the stores above are seen by every thread of the program that reads the tiles
+        one = d[None, :] < HEAD_DIM
+        k_new = to_cache(rotate(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh, d, one, angles), k_ptr)
+        v_new = to_cache(tl.load(vn_ptr + seq.to(tl.int64) * stride_vns + kvh * stride_vnh + d[None, :], mask=one), v_ptr)
+        if part == old_end // PARTITION:  # the partition that holds the new token stores its k and v
+            tl.store(k_head + new_slot * stride_ks + d[None, :], k_new, mask=one)
+            tl.store(v_head + new_slot * stride_vs + d[None, :], v_new, mask=one)
     else:
         q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=qmask,
                     other=0.0)
@@ -92,12 +100,19 @@ def _decode_split_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     qpos = tl.zeros([BLOCK_G], tl.int32)  # unused: the one query sees every key
-    k_head = k_ptr + kvh * stride_kh
-    v_head = v_ptr + kvh * stride_vh
     for kstart in range(lo, hi, BLOCK_N):
-        acc, l, m = attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
-                                 stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_F32)
-        slot = tile_slots(table, kstart + BLOCK_N, hi, PAGE, BLOCK_N)  # the next tile's, read ahead
+        if ROPE:  # the tile read one iteration ahead, the new token's row put in from registers
+            new = (kstart + tl.arange(0, BLOCK_N) == old_end)[:, None]
+            acc, l, m = attend_kv(acc, l, m, q, tl.where(new, k_new, k), tl.where(new, v_new, v), kstart, hi, qpos,
+                                  qk_scale, BLOCK_N, False, DOT_F32)
+            slot = tile_slots(table, kstart + BLOCK_N, hi, PAGE, BLOCK_N)
+            k, v = load_kv(k_head, v_head, slot, kstart + BLOCK_N, old_end, stride_ks, stride_vs, HEAD_DIM,
+                           BLOCK_N, BLOCK_D)
+        else:
+            if kstart != lo:  # the first tile's slots were read before the wait
+                slot = tile_slots(table, kstart, hi, PAGE, BLOCK_N)
+            acc, l, m = attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
+                                     stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_F32)
 
     l_safe = tl.where(l > 0, l, 1.0)  # an empty partition: m = -inf, acc = 0, so o = 0 and lse = -inf
     o = acc / l_safe[:, None]
