@@ -212,22 +212,33 @@ def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, spl
         # docs/PERF.md, 2026-12-02
         raise ValueError(f"matvec block_n must be at least 8, got {block_n}")
     x = x.contiguous()
-    qk = _qk(w.type_id)
-    if qk == 1:  # float weights: a "block" is one element; tile NB elements
-        nb = max(nb * 32, 64)
-    nb = max(1, nb * 32 // qk) if qk > 32 else nb  # nb counts 32-element units: one super-block for K-quants
-    n_blocks = K // qk
-    nb = divisor_at_most(n_blocks, nb)
-    per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
-    split_k = -(-n_blocks // per_split)
+    nb, per_split, split_k = matvec_tiles(w.type_id, K, nb, split_k)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.n, block_n), split_k)
     _matvec_kernel[grid](
         x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
-        WTYPE=w.type_id, QK=qk, M=M, MP=max(triton.next_power_of_2(M), 2), BLOCK_N=block_n, NB=nb,
-        num_warps=num_warps, num_stages=num_stages,
+        **matvec_constexprs(w.type_id, M, block_n, nb), num_warps=num_warps, num_stages=num_stages,
     )
     return part[0] if split_k == 1 else part.sum(0)
+
+
+def matvec_tiles(type_id: int, k: int, nb: int, split_k: int) -> tuple[int, int, int]:
+    """matvec's K split of rows of k: (blocks a tile, blocks a split, splits). nb counts 32-element units
+    (one super-block for the K-quants; float weights tile max(32 nb, 64) elements); a tile divides the
+    row's blocks and a split holds whole tiles."""
+    qk = _qk(type_id)
+    if qk == 1:  # float weights: a "block" is one element
+        nb = max(nb * 32, 64)
+    nb = max(1, nb * 32 // qk) if qk > 32 else nb
+    n_blocks = k // qk
+    nb = divisor_at_most(n_blocks, nb)
+    per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
+    return nb, per_split, -(-n_blocks // per_split)
+
+
+def matvec_constexprs(type_id: int, m: int, block_n: int, nb: int) -> dict[str, int]:
+    """_matvec_kernel's meta-parameters for m activation rows and tiles of nb blocks (matvec_tiles)."""
+    return dict(WTYPE=type_id, QK=_qk(type_id), M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK_N=block_n, NB=nb)
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype | None = None, block_m: int = 64,

@@ -400,11 +400,18 @@ def plan_launch(op: str, x: torch.Tensor, w: PackedWeight, supported: frozenset[
     if p["block_n"] < 8 or p["block_n"] & (p["block_n"] - 1):
         # BLOCK_N 2 and 4 gave wrong sums in matmul.matvec on an H200 (docs/PERF.md, 2026-12-02)
         raise ValueError(f"block_n must be a power of two >= 8, got {p['block_n']}")
-    qk = spec_for(w.type_id).block_size
-    n_blocks = K // qk
-    per_tile = divisor_at_most(n_blocks, max(1, p["nb"] * 32 // qk))  # tiles never straddle a row end
-    per_split = -(-n_blocks // (p.get("split_k", 1) * per_tile)) * per_tile
-    return Launch(p, per_tile, per_split, -(-n_blocks // per_split))
+    return launch_for(w.type_id, K, p)
+
+
+def launch_for(type_id: int, k: int, params: dict[str, int]) -> Launch:
+    """The K split of rows of k with these parameters: tiles of `nb` 32-element blocks (the kernels' NB
+    counts super-blocks for the K-quants; a divisor of the row's blocks, so tiles never straddle a row
+    end), split_k runs of whole tiles."""
+    qk = spec_for(type_id).block_size
+    n_blocks = k // qk
+    per_tile = divisor_at_most(n_blocks, max(1, params["nb"] * 32 // qk))
+    per_split = -(-n_blocks // (params.get("split_k", 1) * per_tile)) * per_tile
+    return Launch(params, per_tile, per_split, -(-n_blocks // per_split))
 
 
 def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,

@@ -891,6 +891,27 @@ def dot_kind(device: torch.device) -> int:
     return AMDGCN_DOT4 if torch.version.hip else PTX_DP4A
 
 
+def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object, dict[str, int]]:
+    """The kernel a launch of m activation rows with these launch parameters takes, and its type's
+    constexprs (benchmarks/kernel_resources.py compiles the same choice without a GPU)."""
+    kernel, type_args = _KERNELS[type_id]
+    if type_id not in (Q4_K, Q6_K):
+        # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
+        return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}
+    if type_id == Q4_K and m > 1 and params.get("mma", 0):
+        return _q4_k_mma_kernel, {}  # where the tuning file says (docs/PERF.md): no default
+    if type_id == Q4_K and params.get("pieces", int(m == 1)):
+        # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1 (fewer slow instructions): the tuning
+        # file's choice per shape (28672x4096: 22.3 -> 20.6 us at block_n 16, nb 32 on an H200)
+        return _q4_k_pieces_kernel, {"UNPACK": params.get("unpack", 0)}
+    if type_id == Q6_K and params.get("pieces", int(m == 1)):
+        # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: no faster on the H200's shapes
+        return _q6_k_pieces_kernel, {"UNPACK": params.get("unpack", 0)}
+    if type_id == Q4_K:
+        return kernel, {**type_args, "STAGE": params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
+    return kernel, type_args
+
+
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
@@ -920,21 +941,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     if plan.params.get("mma", 0) and torch.version.hip:
         raise ValueError("mma 1 is the NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    kernel, type_args = _KERNELS[w.type_id]
-    if w.type_id not in (Q4_K, Q6_K):
-        # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
-        type_args = {**type_args, "FLAT": plan.params.get("flat", int(M == 1 or w.type_id != Q8_0))}
-    if w.type_id == Q4_K and M > 1 and plan.params.get("mma", 0):
-        kernel, type_args = _q4_k_mma_kernel, {}  # where the tuning file says (docs/PERF.md): no default
-    elif w.type_id == Q4_K and plan.params.get("pieces", int(M == 1)):
-        # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1 (fewer slow instructions): the tuning
-        # file's choice per shape (28672x4096: 22.3 -> 20.6 us at block_n 16, nb 32 on an H200)
-        kernel, type_args = _q4_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
-    elif w.type_id == Q6_K and plan.params.get("pieces", int(M == 1)):
-        # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: no faster on the H200's shapes
-        kernel, type_args = _q6_k_pieces_kernel, {"UNPACK": plan.params.get("unpack", 0)}
-    elif w.type_id == Q4_K:
-        type_args = {**type_args, "STAGE": plan.params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
+    kernel, type_args = choose_kernel(w.type_id, M, plan.params)
     part, y, counts = plan.outputs(M, w.n, x.device, out)
     kernel[plan.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, plan.per_split,

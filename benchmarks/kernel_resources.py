@@ -1,0 +1,157 @@
+"""Registers and spills of the decode mat-vec kernels as the tuning file launches them, from the compilers
+alone (no GPU): what to rule out before spending device time on a sweep, and the one check there is for a
+target this project has no machine of (gfx906). A kernel that spills reads and writes local memory in its
+loop; on the H200 the Q4_K matrix-unit kernel's block_n 128 on 4 warps spilled 1764 bytes and ran at a
+quarter of copy bandwidth whatever the rows (docs/PERF.md, sixth sitting).
+
+    python benchmarks/kernel_resources.py [--target cuda:90 | hip:gfx906] [--op matvec_int8 | matvec]
+        [--tuning FILE] [--shapes Q4_K:28672x4096,...] [--ms 1,2,8] [--extra '{"num_warps": 8};{"block_n": 64}']
+
+--op matvec_int8: the int8-dot kernels (matvec_int8.py); matvec: the tile kernel (matmul.matvec, the
+decode mat-vec of every type the file gives no other kernel, gfx906's today). Without --shapes: every
+entry of the tuning file (default: the target's) for the op that names one shape. With it: those shapes
+at --ms, the file's parameters (over the fallback) with each --extra variant on top. The kernel and its
+constexprs are the launcher's own choice (matvec_int8.choose_kernel with matvec_flat's launch_for and
+rule; matmul's matvec_tiles and matvec_constexprs). NVIDIA: ptxas -v of the PTX (the ptxas Triton
+carries that takes it); AMD: the VGPRs and the scratch bytes of the AMDGCN assembly. Prints a table and
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vegaserve.triton_kernels import matmul
+from vegaserve.triton_kernels import matvec_int8 as mv
+from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.matvec_flat import launch_for, rule
+from vegaserve.triton_kernels.tuning import CONFIG_DIR, Tuning, load_tuning
+
+TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
+POINTERS = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
+            "out_ptr": "*fp32", "count_ptr": "*i32"}
+ACTIVATIONS = {"cuda": "*bf16", "hip": "*fp16"}  # the tile kernel's x: the model's activation type there
+# the device the rule sizes grids for: compute units, warp size
+DEVICES = {"cuda": (132, 32), "hip": (60, 64)}
+
+
+def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GPUTarget):
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend]}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts), target=target,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def nvidia_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill-store bytes) from ptxas -v; the first of Triton's ptxas binaries that takes the PTX."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        errors = []
+        for name in ("ptxas", "ptxas-blackwell"):
+            run = subprocess.run([str(bin_dir / name), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                regs = re.search(r"Used (\d+) registers", run.stderr)
+                spill = re.search(r"(\d+) bytes spill stores", run.stderr)
+                return int(regs.group(1)), int(spill.group(1)) if spill else 0
+            errors.append(run.stderr.strip().splitlines()[-1])
+        raise RuntimeError(f"no ptxas of Triton took the PTX: {errors}")
+    finally:
+        os.unlink(f.name)
+
+
+def amd_resources(asm: str) -> tuple[int, int]:
+    """(VGPRs, scratch bytes per lane) from the AMDGCN assembly's metadata."""
+    vgprs = re.search(r"\.vgpr_count:\s+(\d+)", asm)
+    scratch = re.search(r"\.private_segment_fixed_size:\s+(\d+)", asm)
+    return int(vgprs.group(1)), int(scratch.group(1)) if scratch else 0
+
+
+def entries(tuning: Tuning, args) -> list[tuple[str, int, int, int, dict]]:
+    """(type, n, k, m, launch parameters) to compile."""
+    backend = tuning.target.split("_")[0]
+    sms, warp = DEVICES[backend]
+
+    def params(name: str, n: int, k: int, m: int) -> dict:
+        if args.op == "matvec":
+            return tuning.matvec(name, n, k, m)
+        return {**rule(TYPE_IDS[name], n, k, m, sms, warp), **(tuning.measured(args.op, name, n, k, m) or {})}
+
+    out = []
+    if args.shapes:
+        variants = [json.loads(v) for v in args.extra.split(";")] if args.extra else [{}]
+        for item in args.shapes.split(","):
+            name, shape = item.split(":")
+            n, k = (int(v) for v in shape.split("x"))
+            for m in (int(v) for v in args.ms.split(",")):
+                out += [(name, n, k, m, {**params(name, n, k, m), **extra}) for extra in variants]
+        return out
+    for name, shapes in tuning.table.get(args.op, {}).items():
+        for shape, by_m in shapes.items():
+            if "x" not in shape:
+                continue  # a shape class: no one shape to compile for
+            n, k = (int(v) for v in shape.split("x"))
+            out += [(name, n, k, int(m), params(name, n, k, int(m))) for m in by_m]
+    return out
+
+
+def launch(op: str, type_name: str, k: int, m: int, params: dict, backend: str):
+    """(kernel, constexprs, num_stages) as the op's launcher would launch it."""
+    tid = TYPE_IDS[type_name]
+    if op == "matvec":
+        nb, _, _ = matmul.matvec_tiles(tid, k, params["nb"], params.get("split_k", 1))
+        return matmul._matvec_kernel, matmul.matvec_constexprs(tid, m, params["block_n"], nb), params.get("num_stages", 2)
+    kernel, type_args = mv.choose_kernel(tid, m, params)
+    plan = launch_for(tid, k, params)
+    dot = mv.PTX_DP4A if backend == "cuda" else mv.AMDGCN_DOT4
+    consts = dict(M=m, BLOCK_N=params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot,
+                  CARRY=params.get("carry", 1), PDL=backend == "cuda", **type_args)
+    return kernel, consts, 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="cuda:90", help="cuda:ARCH (sm number) or hip:GFX")
+    ap.add_argument("--op", default="matvec_int8", choices=("matvec_int8", "matvec"))
+    ap.add_argument("--tuning", default=None, help="tuning file (default: configs/kernels/<target>.json)")
+    ap.add_argument("--shapes", default=None, help="TYPE:NxK,... (default: every entry of the tuning file)")
+    ap.add_argument("--ms", default="1")
+    ap.add_argument("--extra", default=None, help="variants over the parameters, JSON objects separated by ';'")
+    args = ap.parse_args()
+    backend, arch = args.target.split(":")
+    target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, DEVICES[backend][1])
+    name = f"cuda_sm{arch}" if backend == "cuda" else f"hip_{arch}"
+    tuning = load_tuning(name, args.tuning or CONFIG_DIR / f"{name}.json")
+    unit = "registers" if backend == "cuda" else "VGPRs"
+    print(f"| type | shape | M | kernel | parameters | {unit} | spilled bytes |\n|---|---|---|---|---|---|---|")
+    rows = []
+    for type_name, n, k, m, params in entries(tuning, args):
+        kernel, consts, stages = launch(args.op, type_name, k, m, params, backend)
+        compiled = compile_kernel(kernel, consts, params.get("num_warps", 4), stages, target)
+        if backend == "cuda":
+            regs, spill = nvidia_resources(compiled.asm["ptx"], int(arch))
+        else:
+            regs, spill = amd_resources(compiled.asm["amdgcn"])
+        shown = {key: v for key, v in sorted(params.items())}
+        print(f"| {type_name} | {n}x{k} | {m} | {kernel.__name__} | {json.dumps(shown)} | {regs} | "
+              f"{'**' + str(spill) + '**' if spill else 0} |")
+        rows.append({"type": type_name, "n": n, "k": k, "m": m, "kernel": kernel.__name__, "params": shown,
+                     "registers": regs, "spill_bytes": spill})
+    print(json.dumps({"target": args.target, "triton": triton.__version__, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
