@@ -152,12 +152,12 @@ def test_decode_attention_with_its_own_rope_equals_rope_then_attention_on_gpu(gg
 
     from vegaserve.engine.layers import attention
 
+    monkeypatch.setattr(attention, "_decode_rope", attention._decode_rope)  # set back after the test
     path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
     cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
            "scheduler": {"max_num_seqs": 4}, "device": "cuda", "kernels": {"decode_rope": True}}
     core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
-    assert attention._decode_rope
-    monkeypatch.setattr(attention, "_decode_rope", True)  # set back to the default after the test
+    assert attention._decode_rope  # the setting reached the layers
     worker = core.runner.executor.worker
     worker.graphs = None
     gen = torch.Generator().manual_seed(5)
