@@ -5,11 +5,14 @@ loads overlap the previous kernel's last wave instead of following it.
 Every kernel that takes part calls `let_next_start` first (the next kernel may be scheduled once all of
 this kernel's programs have started) and `wait_for_inputs` before it reads anything an earlier kernel
 wrote and before it writes anything at all. Before the wait come only reads of memory that no kernel
-launched with PDL writes: weights and tables of constants, and a step's inputs (token ids, positions,
-cache slots, lengths, block tables), which host copies and torch's kernels write. Those launch without
-PDL, so the kernel after one starts when it has finished, and every later kernel after that. The wait
-returns once the previous kernel has finished and its writes are visible, and since that kernel waited
-on its own predecessor, everything earlier in the stream is finished too.
+launched with PDL writes in the same step: weights and tables of constants; a step's inputs (token ids,
+positions, cache slots, lengths, block tables), which host copies and torch's kernels write (those launch
+without PDL, so the kernel after one starts when it has finished, and every later kernel after that);
+and what only earlier steps wrote, such as the KV cache below a decode step's new positions (a step
+starts after the last one has finished: a graph replay after the one before, and eager steps with
+torch's sampling kernels between them). The wait returns once the previous kernel has finished and its
+writes are visible, and since that kernel waited on its own predecessor, everything earlier in the
+stream is finished too.
 
 Off under the Triton interpreter, on AMD and before sm_90, and after `set_enabled(False)`: the engine
 calls it from its `kernels.pdl` setting (VEGASERVE_PDL=0, engine/env.py); each kernel then starts after
