@@ -36,7 +36,7 @@ from vegaserve.engine.distributed.topology import (
 )
 from vegaserve.engine.distributed.worker import StageWorker, StepPlan, worker_main
 from vegaserve.engine.gguf_file import GGUFFile
-from vegaserve.engine.layers.attention import kv_cache_dtype, set_decode_rope
+from vegaserve.engine.layers.attention import kv_cache_dtype
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.registry import load_model
 from vegaserve.triton_kernels.dequant import spec_for
@@ -174,7 +174,7 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-        tuning_file=cfg.kernels.tuning_file, comm=comm, layers=launch.stages[comm.stage],
+        tuning_file=cfg.kernels.tuning_file, decode_rope=cfg.kernels.decode_rope, comm=comm, layers=launch.stages[comm.stage],
     )
     return make_worker(launch, loaded.model, comm, device, show_progress)
 
@@ -187,7 +187,6 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         from vegaserve.triton_kernels import pdl
 
         pdl.set_enabled(cfg.kernels.pdl)
-        set_decode_rope(cfg.kernels.decode_rope)
     graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)
@@ -307,7 +306,7 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
         cfg = launch.config
         loaded = load_model(
             gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-            tuning_file=cfg.kernels.tuning_file,
+            tuning_file=cfg.kernels.tuning_file, decode_rope=cfg.kernels.decode_rope,
         )
         return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device, show_progress))
     workers = None if launch.torchrun else WorkerGroup(launch)

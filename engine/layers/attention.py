@@ -60,25 +60,16 @@ def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, f
     return KVStore(cache.k[layer], cache.v[layer], batch.attention.new_slots, v, first_k)
 
 
-_decode_rope = False
-
-
-def set_decode_rope(on: bool) -> None:
-    """Whether decode steps on a GPU take decode_attention_rope (config kernels.decode_rope)."""
-    global _decode_rope
-    _decode_rope = on
-
-
 def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, rope, layer: int, cache: KVCache, batch: ForwardBatch,
                           scale: float, n_heads: int) -> torch.Tensor | None:
     """A decode step on a GPU (every sequence brings one token): the rotation of q and k, the cache store
     of k/v and the attention in the decode kernel's launch (triton_kernels/attention_decode.py NewToken),
     where rope and then the attention took one launch more. qk [T, H + KV, D] as the qkv mat-vec left it
     (q's heads, then k's), v [T, KV, D], rope the RotaryEmbedding. Returns [T, H, D], or None where this
-    does not apply (switched off, a CPU, a prefill or mixed batch): the caller rotates and attends apart.
-    Off by default (VEGASERVE_DECODE_ROPE=1 turns it on): it has run under the interpreter, not yet timed
-    on a GPU (docs/PERF.md, sixth sitting)."""
-    if not _decode_rope or qk.device.type != "cuda" or batch.attention.max_query_len != 1:
+    does not apply (a CPU, a prefill or mixed batch): the caller rotates and attends apart. A model takes
+    this path only with kernels.decode_rope (VEGASERVE_DECODE_ROPE=1), off by default: it has run under
+    the interpreter, not yet been timed on a GPU (docs/PERF.md, sixth sitting)."""
+    if qk.device.type != "cuda" or batch.attention.max_query_len != 1:
         return None
     from vegaserve.triton_kernels.attention_decode import NewToken, decode_attention
 

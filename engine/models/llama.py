@@ -36,9 +36,11 @@ from vegaserve.engine.models.weights import WeightLoader
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int) -> None:
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int,
+                 decode_rope: bool = False) -> None:
         super().__init__()
         self.index = index  # the GGUF layer (tensor names)
+        self.decode_rope = decode_rope  # decode steps: rotation and cache store in the attention kernel
         self.cache_layer = cache_layer  # its place in this rank's KV cache
         self.comm = comm
         tp, lane = comm.tp, comm.lane
@@ -109,7 +111,8 @@ class DecoderLayer(nn.Module):
         a = None
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
             qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
-            a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads)
+            if self.decode_rope:
+                a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads)
             if a is None:
                 store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
                 qk = rope(qk, batch.positions, store)
@@ -128,14 +131,15 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, method: QuantMethod, max_positions: int, comm: Communicator | None = None,
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, decode_rope: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.method = method
         self.max_positions = max_positions
         self.comm = comm = comm or LocalCommunicator()
         self.layer_range = range(cfg.n_layers) if layers is None else layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j) for j, i in enumerate(self.layer_range))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j, decode_rope)
+                                    for j, i in enumerate(self.layer_range))
         self.vocab0, vocab_rows, self.vocab_width = vocab_slice(cfg.vocab_size, comm.tp, comm.lane)
         self.embed = QuantEmbedding(vocab_rows, cfg.hidden_size) if comm.is_first_stage else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if comm.is_last_stage else None

@@ -141,6 +141,31 @@ def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path)
     assert greedy(prompts) == eager_tokens
 
 
+def test_the_decode_rope_setting_reaches_every_layer_and_a_cpu_keeps_rope_apart(core: EngineCore, gguf_factory,
+                                                                                  tmp_path: Path) -> None:
+    """kernels.decode_rope goes from the config to every decoder layer (load_model); on a CPU the layers
+    still rotate apart (decode_attention_rope declines), so greedy tokens equal the default engine's."""
+    from vegaserve.engine.request import GenerateRequest, SamplingParams
+
+    path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
+           "scheduler": {"max_num_seqs": 4}, "device": "cpu", "kernels": {"decode_rope": True}}
+    fused = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+    assert all(layer.decode_rope for layer in fused.runner.executor.worker.model.layers)
+    assert not any(layer.decode_rope for layer in core.runner.executor.worker.model.layers)
+
+    def greedy(engine: EngineCore) -> list[int]:
+        req = GenerateRequest([5, 9, 2, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        engine.add_request(req)
+        out: list[int] = []
+        while engine.has_work:
+            for o in engine.step():
+                out.extend(o.token_ids)
+        return out
+
+    assert greedy(fused) == greedy(core)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode attention runs on a GPU")
 def test_decode_attention_with_its_own_rope_equals_rope_then_attention_on_gpu(gguf_factory, tmp_path: Path,
@@ -150,15 +175,12 @@ def test_decode_attention_with_its_own_rope_equals_rope_then_attention_on_gpu(gg
     path it replaced), eager, from the same cache: three sequences of different lengths."""
     from vegaserve.engine.models import llama
 
-    from vegaserve.engine.layers import attention
-
-    monkeypatch.setattr(attention, "_decode_rope", attention._decode_rope)  # set back after the test
     path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
     cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
            "scheduler": {"max_num_seqs": 4}, "device": "cuda", "kernels": {"decode_rope": True}}
     core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
-    assert attention._decode_rope  # the setting reached the layers
     worker = core.runner.executor.worker
+    assert all(layer.decode_rope for layer in worker.model.layers)  # the setting reached the layers
     worker.graphs = None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, core.arch.vocab_size, (n,), generator=gen).tolist() for n in (3, 17, 70)]
