@@ -50,8 +50,8 @@ from vegaserve.triton_kernels.flat_words import (
     x_vec,
     zero_rows,
 )
-from vegaserve.triton_kernels.layout import PackedWeight, spec_for
-from vegaserve.triton_kernels.matmul import divisor_at_most
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matmul import divisor_at_most, matvec_tiles
 from vegaserve.triton_kernels.matmul import reference_matmul  # noqa: F401 - the ground truth these match
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
 
@@ -404,14 +404,9 @@ def plan_launch(op: str, x: torch.Tensor, w: PackedWeight, supported: frozenset[
 
 
 def launch_for(type_id: int, k: int, params: dict[str, int]) -> Launch:
-    """The K split of rows of k with these parameters: tiles of `nb` 32-element blocks (the kernels' NB
-    counts super-blocks for the K-quants; a divisor of the row's blocks, so tiles never straddle a row
-    end), split_k runs of whole tiles."""
-    qk = spec_for(type_id).block_size
-    n_blocks = k // qk
-    per_tile = divisor_at_most(n_blocks, max(1, params["nb"] * 32 // qk))
-    per_split = -(-n_blocks // (params.get("split_k", 1) * per_tile)) * per_tile
-    return Launch(params, per_tile, per_split, -(-n_blocks // per_split))
+    """The K split of rows of k with these parameters: the tile kernel's (matmul.matvec_tiles), whose
+    tiles these word-tile kernels share."""
+    return Launch(params, *matvec_tiles(type_id, k, params["nb"], params.get("split_k", 1)))
 
 
 def matvec_flat(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
