@@ -1,8 +1,9 @@
 """Registers and spills of the decode mat-vec kernels as the tuning file launches them, from the compilers
 alone (no GPU): what to rule out before spending device time on a sweep, and the one check there is for a
 target this project has no machine of (gfx906). A kernel that spills reads and writes local memory in its
-loop; on the H200 the Q4_K matrix-unit kernel's block_n 128 on 4 warps spilled 1764 bytes and ran at a
-quarter of copy bandwidth whatever the rows (docs/PERF.md, sixth sitting).
+loop, which may or may not be what holds it back: the Q4_K matrix-unit kernel spills 1764 bytes at its
+shipped block_n 128 and ran faster there than at block_n 64, which spills 144 (docs/PERF.md, sixth
+sitting). A spill is a thing to time, not a verdict.
 
     python benchmarks/kernel_resources.py [--target cuda:90 | hip:gfx906] [--op matvec_int8 | matvec]
         [--tuning FILE] [--shapes Q4_K:28672x4096,...] [--ms 1,2,8] [--extra '{"num_warps": 8};{"block_n": 64}']

@@ -222,8 +222,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
     so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
     `new`: q and the new k are not rotated yet and k/v not in the cache: the kernel rotates q and k as
-    fused.rope does (the same roundings) and the program that attends over the new token's position
-    stores its k/v first, as rope's cache store would."""
+    fused.rope does (the same roundings), every program takes the new k/v into its tile from registers,
+    and the program whose partition holds the new position stores them as rope's cache store would."""
     H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     S = q.shape[0]
     if seq_lens.shape[0] != S:
