@@ -16,6 +16,14 @@ constexprs are the launcher's own choice (matvec_int8.choose_kernel with matvec_
 rule; matmul's matvec_tiles and matvec_constexprs). NVIDIA: ptxas -v of the PTX (the ptxas Triton
 carries that takes it); AMD: the VGPRs and the scratch bytes of the AMDGCN assembly. Prints a table and
 one JSON line.
+
+--sass (NVIDIA): also the main loop's instructions from the SASS (the longest backward branch), by kind:
+all, matrix and dot instructions (IMMA, IDP), global loads, shared-memory traffic and barriers (LDS,
+STS, BAR), and the integer-ALU share (LOP3, SHF, IADD3, I2FP and the like, which issue at half rate on
+sm_90's ALU pipe). With the weight bytes one loop iteration of one warp covers, the issue-time floor of
+the whole matrix: every warp instruction takes an issue slot of one of the device's 4 schedulers per SM
+each clock (--sms, --clock-ghz). A floor from instruction counts, not a time: it says which kernels the
+instructions alone keep from the memory's pace (docs/PERF.md, seventh sitting).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 POINTERS = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
             "out_ptr": "*fp32", "count_ptr": "*i32"}
 ACTIVATIONS = {"cuda": "*bf16", "hip": "*fp16"}  # the tile kernel's x: the model's activation type there
+BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 # the device the rule sizes grids for: compute units, warp size
 DEVICES = {"cuda": (132, 32), "hip": (60, 64)}
 
@@ -56,13 +65,12 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GP
 
 def nvidia_resources(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill-store bytes) from ptxas -v; the first of Triton's ptxas binaries that takes the PTX."""
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
         errors = []
         for name in ("ptxas", "ptxas-blackwell"):
-            run = subprocess.run([str(bin_dir / name), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
+            run = subprocess.run([str(BIN_DIR / name), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
                                  capture_output=True, text=True)
             if run.returncode == 0:
                 regs = re.search(r"Used (\d+) registers", run.stderr)
@@ -72,6 +80,57 @@ def nvidia_resources(ptx: str, arch: int) -> tuple[int, int]:
         raise RuntimeError(f"no ptxas of Triton took the PTX: {errors}")
     finally:
         os.unlink(f.name)
+
+
+ALU = {"LOP3", "SHF", "IADD3", "I2FP", "SGXT", "PRMT", "SEL", "ISETP", "LEA", "VIADD", "IABS", "BMSK", "FLO",
+       "POPC", "BREV", "IMNMX", "VIMNMX"}
+
+
+def sass(cubin: bytes) -> str:
+    """cuobjdump -sass of a cubin (the cuobjdump Triton carries)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        run = subprocess.run([str(BIN_DIR / "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
+        return run.stdout
+    finally:
+        os.unlink(f.name)
+
+
+def loop_mix(text: str) -> dict[str, int]:
+    """Instruction counts of the longest loop of a cuobjdump -sass listing: from a backward branch's target
+    to the branch (`/*addr*/ [@pred] OPCODE.mods ... ;` a line; the trailing self-branch is no loop)."""
+    code = []
+    for line in text.splitlines():
+        ins = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\w]*\s*([^;]*);", line)
+        if ins:
+            code.append((int(ins.group(1), 16), ins.group(3), ins.group(4)))
+    body = (0, -1)
+    for i, (addr, op, args) in enumerate(code):
+        target = re.match(r"`?\(?0x([0-9a-f]+)", args.strip()) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            start = next(j for j, (a, _, _) in enumerate(code) if a >= int(target.group(1), 16))
+            if i - start > body[1] - body[0]:
+                body = (start, i)
+    mix = {"all": 0, "mma_dot": 0, "ldg": 0, "shared": 0, "spill": 0, "alu": 0}
+    for _, op, _ in code[body[0] : body[1] + 1]:
+        if op == "NOP":
+            continue
+        mix["all"] += 1
+        mix["mma_dot"] += op in ("IMMA", "HMMA", "IDP", "HGMMA", "IGMMA")
+        mix["ldg"] += op == "LDG"
+        mix["shared"] += op in ("LDS", "STS", "LDSM", "STSM", "BAR")
+        mix["spill"] += op in ("LDL", "STL")
+        mix["alu"] += op in ALU
+    return mix
+
+
+def loop_bytes(type_name: str, kernel_name: str, consts: dict, num_warps: int) -> float:
+    """Weight bytes one iteration of one warp reads: BLOCK_N rows of NB blocks (super-blocks for the
+    K-quants) a program iteration, one super-block for the matrix-unit kernels."""
+    spec = GGML_TYPES[TYPE_IDS[type_name]]
+    per_tile = 1 if kernel_name in ("_q4_k_mma_kernel", "q4_k_lanes_kernel") else consts["NB"]
+    return consts["BLOCK_N"] * per_tile * spec.type_size / num_warps
 
 
 def amd_resources(asm: str) -> tuple[int, int]:
@@ -131,13 +190,21 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="TYPE:NxK,... (default: every entry of the tuning file)")
     ap.add_argument("--ms", default="1")
     ap.add_argument("--extra", default=None, help="variants over the parameters, JSON objects separated by ';'")
+    ap.add_argument("--sass", action="store_true", help="NVIDIA: the main loop's instruction mix and issue floor")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
     args = ap.parse_args()
+    if args.sass and not args.target.startswith("cuda"):
+        ap.error("--sass reads NVIDIA SASS: --target cuda:ARCH")
     backend, arch = args.target.split(":")
     target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, DEVICES[backend][1])
     name = f"cuda_sm{arch}" if backend == "cuda" else f"hip_{arch}"
     tuning = load_tuning(name, args.tuning or CONFIG_DIR / f"{name}.json")
     unit = "registers" if backend == "cuda" else "VGPRs"
-    print(f"| type | shape | M | kernel | parameters | {unit} | spilled bytes |\n|---|---|---|---|---|---|---|")
+    sass_head = (" loop instr | IMMA+IDP | LDG | LDS+STS+BAR | ALU | bytes/warp-iter | issue floor us |"
+                 if args.sass else "")
+    print(f"| type | shape | M | kernel | parameters | {unit} | spilled bytes |{sass_head}\n"
+          f"|---|---|---|---|---|---|---|{'---|' * 7 if args.sass else ''}")
     rows = []
     for type_name, n, k, m, params in entries(tuning, args):
         kernel, consts, stages = launch(args.op, type_name, k, m, params, backend)
@@ -147,10 +214,20 @@ def main() -> None:
         else:
             regs, spill = amd_resources(compiled.asm["amdgcn"])
         shown = {key: v for key, v in sorted(params.items())}
+        row = {"type": type_name, "n": n, "k": k, "m": m, "kernel": kernel.__name__, "params": shown,
+               "registers": regs, "spill_bytes": spill}
+        extra = ""
+        if args.sass:
+            mix = loop_mix(sass(compiled.asm["cubin"]))
+            per_iter = loop_bytes(type_name, kernel.__name__, consts, params.get("num_warps", 4))
+            total = n * k // GGML_TYPES[TYPE_IDS[type_name]].block_size * GGML_TYPES[TYPE_IDS[type_name]].type_size
+            floor_us = mix["all"] * total / per_iter / (args.sms * 4 * args.clock_ghz * 1e3)
+            row.update(loop=mix, bytes_per_warp_iter=per_iter, issue_floor_us=round(floor_us, 2))
+            extra = (f" {mix['all']} | {mix['mma_dot']} | {mix['ldg']} | {mix['shared']} | {mix['alu']} | "
+                     f"{per_iter:.0f} | {floor_us:.1f} |")
         print(f"| {type_name} | {n}x{k} | {m} | {kernel.__name__} | {json.dumps(shown)} | {regs} | "
-              f"{'**' + str(spill) + '**' if spill else 0} |")
-        rows.append({"type": type_name, "n": n, "k": k, "m": m, "kernel": kernel.__name__, "params": shown,
-                     "registers": regs, "spill_bytes": spill})
+              f"{'**' + str(spill) + '**' if spill else 0} |{extra}")
+        rows.append(row)
     print(json.dumps({"target": args.target, "triton": triton.__version__, "rows": rows}))
 
 

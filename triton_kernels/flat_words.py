@@ -105,24 +105,38 @@ def zero_rows(M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def store_rows(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLIT: tl.constexpr):
-    """Rows `rows` of y [M, N], the group axis of each accumulator reduced once. With SPLIT > 1 programs
-    along K, each stores its partial (part [SPLIT, M, N]) and counts itself in count_ptr[program_id(0)];
-    the last of the SPLIT to arrive sums the partials in split order (the same sum whatever the order of
-    arrival) into y and sets the count back to 0 for the next launch. No second launch for the sum."""
+    """Rows `rows` of y [M, N], the group axis of each accumulator reduced once (store_split)."""
+    values = ()
+    index = ()
+    live = ()
+    for m in tl.static_range(M):
+        values = values + (tl.sum(acc[m], axis=1),)
+        index = index + (m * N + rows,)
+        live = live + (rows < N,)
+    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
+
+
+@triton.jit
+def store_split(part_ptr, out_ptr, count_ptr, values, index, live, MN, SPLIT: tl.constexpr):
+    """values[i] to y's elements index[i] (m * N + n of y [M, N], MN = M N) where live[i]. With SPLIT > 1
+    programs along K, each stores its partial (part [SPLIT, M, N]) and counts itself in
+    count_ptr[program_id(0)]; the last of the SPLIT to arrive sums the partials in split order (the same
+    sum whatever the order of arrival) into y and sets the count back to 0 for the next launch. No second
+    launch for the sum."""
     if SPLIT == 1:
-        for m in tl.static_range(M):
-            tl.store(out_ptr + m * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+        for i in tl.static_range(len(values)):
+            tl.store(out_ptr + index[i], values[i], mask=live[i])
     else:
-        for m in tl.static_range(M):
-            tl.store(part_ptr + (tl.program_id(1) * M + m) * N + rows, tl.sum(acc[m], axis=1), mask=rows < N)
+        for i in tl.static_range(len(values)):
+            tl.store(part_ptr + tl.program_id(1) * MN + index[i], values[i], mask=live[i])
         tl.debug_barrier()  # every thread's partial is written before the count is taken (release, GPU scope)
         arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            for m in tl.static_range(M):
-                total = tl.load(part_ptr + m * N + rows, mask=rows < N, cache_modifier=".cg")
+            for i in tl.static_range(len(values)):
+                total = tl.load(part_ptr + index[i], mask=live[i], cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT):  # .cg: from L2, where the other programs' stores are
-                    total += tl.load(part_ptr + (s * M + m) * N + rows, mask=rows < N, cache_modifier=".cg")
-                tl.store(out_ptr + m * N + rows, total, mask=rows < N)
+                    total += tl.load(part_ptr + s * MN + index[i], mask=live[i], cache_modifier=".cg")
+                tl.store(out_ptr + index[i], total, mask=live[i])
             tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
 
 

@@ -61,6 +61,7 @@ from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
+from vegaserve.triton_kernels.matvec_mma import q4_k_lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
 from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
@@ -898,6 +899,9 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}
+    if type_id == Q4_K and params.get("mma", 0) == 2:
+        # one mma.sync per sub-block, operands in the lanes' registers (matvec_mma.py): not timed yet
+        return q4_k_lanes_kernel, {"W": params["num_warps"]}
     if type_id == Q4_K and m > 1 and params.get("mma", 0):
         return _q4_k_mma_kernel, {}  # where the tuning file says (docs/PERF.md): no default
     if type_id == Q4_K and params.get("pieces", int(m == 1)):
@@ -926,7 +930,9 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
-    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; unpack 1 (the
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, M
+    <= 8, NVIDIA sm_80+): one mma.sync per sub-block and 16 rows with each lane's operands loaded in
+    place (matvec_mma.py; block_n 16 x num_warps x the 16-row groups a warp takes); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
     mma 1 and unpack 1 are the tuning file's choice per shape (mma won only at M = 8 of 28672x4096 on the
     H200).
@@ -938,8 +944,16 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                                                         "flat": flat, "pieces": pieces, "mma": mma,
                                                         "unpack": unpack})
     M, K = x.shape
-    if plan.params.get("mma", 0) and torch.version.hip:
-        raise ValueError("mma 1 is the NVIDIA matrix-unit kernel; gfx906 has no matrix units")
+    mma = plan.params.get("mma", 0)
+    if mma and torch.version.hip:
+        raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
+    if mma == 2:
+        lanes_rows = 16 * plan.params["num_warps"]
+        if w.type_id != Q4_K or plan.params["block_n"] % lanes_rows:
+            raise ValueError(f"mma 2 is Q4_K's, with block_n a multiple of 16 x num_warps ({lanes_rows}); "
+                             f"got {w.type_name}, block_n {plan.params['block_n']}")
+        if dot_kind(x.device) == PTX_DP4A and torch.cuda.get_device_capability(x.device) < (8, 0):
+            raise ValueError("mma 2 takes mma.sync m16n8k32 (int8), sm_80 and later")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = choose_kernel(w.type_id, M, plan.params)
     part, y, counts = plan.outputs(M, w.n, x.device, out)

@@ -164,12 +164,37 @@ def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
     _matches_the_reference("Q4_K", 37, 1024, (2, 3, 8), 16, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1)
 
 
+@pytest.mark.parametrize("block_n, num_warps, split_k, carry",
+                         [(16, 1, 1, 1), (32, 1, 2, 0), (64, 2, 1, 1), (64, 4, 2, 1)],
+                         ids=["one-group", "two-groups-split", "two-warps", "four-warps-split"])
+def test_q4_k_lanes_kernel_matches_the_reference(block_n, num_warps, split_k, carry):
+    """mma 2: one m16n8k32 per sub-block and 16 rows, each lane's A, B and D words where the instruction's
+    fragment puts them (under the interpreter its emulation regathers the matrices from those words, so a
+    word in the wrong lane or register is a wrong product here): the reference's product at 1, 2, 3 and 8
+    rows of x (columns of B past M zero), odd N (rows past N clamped and not stored), 1 and 2 groups of 16
+    rows a warp, 1, 2 and 4 warps, split-K."""
+    _matches_the_reference("Q4_K", 37, 1024, (1, 2, 3, 8), 22, block_n=block_n, nb=8, split_k=split_k,
+                           num_warps=num_warps, carry=carry, mma=2)
+
+
+def test_lanes_kernel_refuses_a_block_n_its_warps_cannot_split_and_other_types():
+    tid = IDS["Q4_K"]
+    w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(23)), tid, 16, 256)
+    with pytest.raises(ValueError, match="multiple of 16 x num_warps"):
+        matvec_int8(torch.randn(2, 256), w, block_n=32, nb=8, num_warps=4, mma=2)
+    w6 = repack(random_blocks(IDS["Q6_K"], 16, 1, torch.Generator().manual_seed(24)), IDS["Q6_K"], 16, 256)
+    with pytest.raises(ValueError, match="mma 2 is Q4_K's"):
+        matvec_int8(torch.randn(2, 256), w6, block_n=16, nb=8, num_warps=1, mma=2)
+
+
 def test_matrix_unit_kernel_is_refused_on_amd(monkeypatch):
     tid = IDS["Q4_K"]
     w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(19)), tid, 16, 256)
     monkeypatch.setattr(torch.version, "hip", "6.3.0")
     with pytest.raises(ValueError, match="no matrix units"):
         matvec_int8(torch.randn(2, 256), w, mma=1)
+    with pytest.raises(ValueError, match="no matrix units"):
+        matvec_int8(torch.randn(2, 256), w, block_n=16, nb=8, num_warps=1, mma=2)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])

@@ -39,13 +39,14 @@ kernels = {
 }
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
+    kernels["Q4_K_lanes"] = (mv.q4_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
-    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32", "mma_async.sync.aligned.m64n16k32.s32.s8.s8")
-             if ins in asm]
+    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32", "mma_async.sync.aligned.m64n16k32.s32.s8.s8",
+                             "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") if ins in asm]
     print(name, " ".join(found))
 print("compiled")
 """
@@ -54,7 +55,8 @@ WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
-             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"}},
+             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
+             "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
@@ -118,3 +120,53 @@ def test_quant_word_loads_put_the_lanes_of_a_warp_along_the_row(offline_compile)
     for name, shape, rows, along in loads:
         words = int(shape.split("x")[1])
         assert int(along) >= min(16, words // 4), f"{name} {shape}: {rows} rows x {along} lanes"
+
+
+LANES = r"""
+import re
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import matvec_int8 as mv
+
+types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
+         "out_ptr": "*fp32", "count_ptr": "*i32"}
+fn = mv.q4_k_lanes_kernel
+for warps, block_n, split in ((4, 64, 1), (4, 128, 2), (8, 128, 1)):
+    consts = dict(M=8, BLOCK_N=block_n, NB=1, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, W=warps)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n in types or re.fullmatch(r"[or]\d|N|K", n)}
+    asm = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": 1}).asm
+    ttgir = asm["ttgir"]
+    layouts = sorted(set(re.findall(r"^#\w+ = (#ttg\.\w+<.*>)$", ttgir, re.M)))
+    print(warps, block_n, split, "layouts", len(layouts), "|".join(layouts))
+    print(warps, block_n, split, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
+    print(warps, block_n, split, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k32"))
+print("compiled")
+"""
+
+
+def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compile):
+    """The lanes kernel (matvec_mma.py) is correct only if each [32 W] tensor keeps Triton's one-value-a-lane
+    layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked layout in the
+    whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no shared memory (the
+    tl.dot kernel's cost), and 8 mma a super-block for each of the warp's 16-row groups."""
+    out = offline_compile(LANES, "cuda", "90", 32)
+    lines = [line.split(maxsplit=4) for line in out.splitlines() if line != "compiled"]
+    seen = set()
+    for warps, block_n, split, what, rest in lines:
+        seen.add((warps, block_n, split))
+        if what == "layouts":
+            count, layouts = rest.split(maxsplit=1)
+            assert count == "1", layouts
+            assert (f"sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]"
+                    in layouts), layouts
+        elif what == "converts":
+            assert rest.split() == ["0", "shared", "0"], rest
+        else:
+            groups = int(block_n) // (16 * int(warps))
+            assert int(rest) == 8 * groups, (warps, block_n, rest)
+    assert len(seen) == 3

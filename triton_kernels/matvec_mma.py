@@ -1,0 +1,247 @@
+"""Decode mat-vec for 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
+operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W a Q4_K matrix.
+
+Why lanes. At 8 rows of x the dp4a kernels of matvec_int8 issue about 8 dp4a and 2 activation loads per
+4 bytes of weight in every lane, which kept them at 2.4-3.2x their one-row time on the H200 (docs/PERF.md),
+and the tl.dot kernel there (mma 1) spends its time moving codes and activations into the dot's operand
+layout through shared memory (27 barriers a super-block). One mma.sync m16n8k32 (int8, int32 accumulate)
+multiplies 16 weight rows by 32 elements of 8 activation rows, exactly the shape of a decode step of up
+to 8 sequences; each lane holds 4 words of A (16 int8 of 2 rows), 2 of B (8 int8 of 1 row of x) and gets
+4 int32 of the result. Here every tensor is one value per lane (`lanes`: [32 W], lane i % 32 of warp
+i // 32), so the code says what each lane loads and which register it passes: no layout conversion, no
+shared memory, and one matrix instruction per 32-element sub-block of 16 rows.
+
+The fragment of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32"), lane = 4 g + t:
+  A (16 x 32, row): a0 row g, k 4t..4t+3 (a byte each); a1 row g + 8, same k; a2 row g, k 16+4t..16+4t+3;
+     a3 row g + 8, k 16+4t..
+  B (32 x 8, col): b0 column g, k 4t..4t+3; b1 column g, k 16+4t..
+  D (16 x 8): d0 (g, 2t), d1 (g, 2t + 1), d2 (g + 8, 2t), d3 (g + 8, 2t + 1).
+A sum over k does not care how k is numbered as long as A and B agree, so k 4t+i stands for element 8t+i
+of the sub-block and k 16+4t+i for element 8t+4+i: lane t's 8 bytes of A (a row's bytes 8t..8t+7 of a
+32-byte Q4_K chunk) and its 8 bytes of B (x's elements 8t..8t+7 of the sub-block) are each one 8-byte load.
+A chunk's low nibbles are sub-block 2c and its high nibbles sub-block 2c + 1, so one load of 8 bytes of a
+row gives that row's A words of both sub-blocks, one mask (and one shift) each.
+
+Per lane and super-block, for each 16-row group it holds: 8 loads of 8 bytes (rows g, g + 8; chunks 0-3),
+2 of its rows' 16-byte head records (d, dmin, the 12 scale bytes), 8 mma and the f32 scaling of 4 results
+a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]); the x words and the q8_1 scales
+(columns g and 2t, 2t + 1) once for all its groups (BLOCK_N = 16 W R: R groups a warp).
+
+Under the interpreter (DOT 0) the matrix instruction is emulated from the same per-lane registers
+(the lanes' words regathered into the 16 x 32 and 32 x 8 matrices), so the tests check the fragment
+bookkeeping above, not only the arithmetic. sm_80 and later; no AMD part (gfx906 has no matrix units).
+Torch reference: matvec_int8.reference_matvec_q8_1.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.flat_words import store_split
+
+@triton.jit
+def lanes(W: tl.constexpr):
+    """warp, g (lane // 4) and t (lane % 4) of each lane of the program's W warps, [32 W] each."""
+    i = tl.arange(0, 32 * W)
+    return i // 32, (i % 32) // 4, i % 4
+
+
+@triton.jit
+def _bytes(w):
+    """[L] int32 -> [L, 4] its signed bytes, byte 0 first."""
+    sh = (tl.arange(0, 4) * 8)[None, :]
+    return (w[:, None] << (24 - sh)) >> 24
+
+
+@triton.jit
+def _fragment_rows(lo, hi, W: tl.constexpr):
+    """The 8 rows (A) or columns (B) the lanes' two words hold, [W, 8, 32]: row g's k 4t + i from byte i of
+    lo in lane 4g + t, k 16 + 4t + i from hi."""
+    a = tl.reshape(_bytes(lo), [W, 8, 16])
+    b = tl.reshape(_bytes(hi), [W, 8, 16])
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), [W, 8, 32])
+
+
+@triton.jit
+def _result_lanes(d, W: tl.constexpr):
+    """Rows [W, 8, 8] of a result (row g, column n) -> the lanes' (g, 2t) and (g, 2t + 1), [32 W] each."""
+    e, o = tl.split(tl.reshape(d, [W, 8, 4, 2]))
+    return tl.reshape(e, [32 * W]), tl.reshape(o, [32 * W])
+
+
+@triton.jit
+def mma_16x8x32(a0, a1, a2, a3, b0, b1, W: tl.constexpr, DOT: tl.constexpr):
+    """The int32 products of A (16 x 32 int8) and B (32 x 8 int8) from the lanes' fragments (module
+    docstring): d0, d1, d2, d3 [32 W]. DOT 1 (matvec_int8's PTX_DP4A: an NVIDIA GPU): the instruction;
+    0: its emulation on the same registers."""
+    if DOT == 1:
+        zero = tl.zeros_like(a0)
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, zero, zero, zero, zero],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        bt = _fragment_rows(b0, b1, W)[:, None, :, :]  # [W, 1, column, k]
+        top = tl.sum(_fragment_rows(a0, a2, W)[:, :, None, :] * bt, axis=3)  # rows g: [W, g, column]
+        bottom = tl.sum(_fragment_rows(a1, a3, W)[:, :, None, :] * bt, axis=3)  # rows g + 8
+        d0, d1 = _result_lanes(top, W)
+        d2, d3 = _result_lanes(bottom, W)
+        return d0, d1, d2, d3
+
+
+@triton.jit
+def _halves(v):
+    """int64 -> its low and high int32 words."""
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
+def _q4_k_rows_tile(qp, hp):
+    """One lane's loads of a super-block for one row: bytes 8t..8t+7 of each 32-byte chunk (int64 x 4) and
+    the row's 16-byte head record (int64 x 2: d and dmin, scale words a; b, c)."""
+    q = tl.load(qp.to(tl.pointer_type(tl.int64)))
+    q1 = tl.load((qp + 32).to(tl.pointer_type(tl.int64)))
+    q2 = tl.load((qp + 64).to(tl.pointer_type(tl.int64)))
+    q3 = tl.load((qp + 96).to(tl.pointer_type(tl.int64)))
+    h0 = tl.load(hp.to(tl.pointer_type(tl.int64)))
+    h1 = tl.load((hp + 8).to(tl.pointer_type(tl.int64)))
+    return q, q1, q2, q3, h0, h1
+
+
+@triton.jit
+def _q4_k_tile(qp, hp, R: tl.constexpr):
+    """The loads of a super-block for each of the lane's R groups, rows g (top) then g + 8."""
+    tile = ()
+    for j in tl.static_range(2 * R):
+        tile = tile + (_q4_k_rows_tile(qp[j], hp[j]),)
+    return tile
+
+
+@triton.jit
+def _q4_k_scales(h0, h1, s: tl.constexpr):
+    """d sc[s] and dmin m[s] of sub-block s of a row's head record, f32."""
+    dm, a = _halves(h0)
+    b, c = _halves(h1)
+    if s < 4:
+        sc = (a >> (8 * s)) & 63
+        mn = (b >> (8 * s)) & 63
+    else:
+        sc = ((c >> (8 * (s - 4))) & 15) | (((a >> (8 * (s - 4) + 6)) & 3) << 4)
+        mn = ((c >> (8 * (s - 4) + 4)) & 15) | (((b >> (8 * (s - 4) + 6)) & 3) << 4)
+    d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
+    2t + 1) f32. xp: x's bytes 8t.. of column g at the super-block's first element (xlive: g < M); dxp,
+    sxp: the q8_1 scales and sums of columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
+    new = acc
+    for c in tl.static_range(4):
+        for nib in tl.static_range(2):
+            s = 2 * c + nib
+            b0, b1 = _halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+            dx0 = tl.load(dxp[0] + s, mask=clive[0], other=0.0)
+            dx1 = tl.load(dxp[1] + s, mask=clive[1], other=0.0)
+            sx0 = tl.load(sxp[0] + s, mask=clive[0], other=0.0)
+            sx1 = tl.load(sxp[1] + s, mask=clive[1], other=0.0)
+            out = ()
+            for j in tl.static_range(R):
+                top = tile[2 * j]
+                bottom = tile[2 * j + 1]
+                t_lo, t_hi = _halves(top[c])
+                b_lo, b_hi = _halves(bottom[c])
+                if nib == 1:
+                    t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
+                d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
+                                             b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
+                st, mt = _q4_k_scales(top[4], top[5], s)
+                sb, mb = _q4_k_scales(bottom[4], bottom[5], s)
+                a0, a1, a2, a3 = new[j]
+                out = out + ((a0 + d0.to(tl.float32) * (st * dx0) - mt * sx0,
+                              a1 + d1.to(tl.float32) * (st * dx1) - mt * sx1,
+                              a2 + d2.to(tl.float32) * (sb * dx0) - mb * sx0,
+                              a3 + d3.to(tl.float32) * (sb * dx1) - mb * sx1),)
+            new = out
+    return new
+
+
+@triton.jit
+def q4_k_lanes_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head record), qs
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr,
+):
+    """Q4_K, 1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp), one
+    super-block an iteration (the launch's NB is not used; DOT 1: the mma instruction, 0 its emulation). CARRY 1: the next super-block's weight
+    loads are issued before this one's products."""
+    pdl.let_next_start(PDL)
+    R: tl.constexpr = BLOCK_N // (16 * W)
+    warp, g, t = lanes(W)
+    first = tl.program_id(1) * blocks_per_split
+    n_iter = tl.minimum(first + blocks_per_split, K // 256) - first
+    top = tl.program_id(0) * BLOCK_N + warp * (16 * R) + g  # group j: rows top + 16 j, + 8
+    qp = ()
+    hp = ()
+    rows = ()
+    for j in tl.static_range(2 * R):
+        row = top + 8 * j
+        r64 = tl.minimum(row, N - 1).to(tl.int64)
+        qp = qp + (base + o2 + r64 * r2 + first * b2 + 8 * t,)
+        hp = hp + (base + o0 + r64 * r0 + first * b0,)
+        rows = rows + (row,)
+    xlive = g < M
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 256 + 8 * t
+    cols = (2 * t, 2 * t + 1)
+    clive = (cols[0] < M, cols[1] < M)
+    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
+           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
+    sxp = (sx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
+           sx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
+    acc = ()
+    for j in tl.static_range(R):
+        z = tl.zeros([32 * W], dtype=tl.float32)
+        acc = acc + ((z, z, z, z),)
+    if CARRY:
+        tile = _q4_k_tile(qp, hp, R)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q4_k_tile(qp, hp, R)
+        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
+        more = it + 1 < n_iter
+        step_q = b2
+        step_h = b0
+        if CARRY:  # after the last super-block the extra loads read it again instead of past the split
+            step_q = tl.where(more, b2, 0)
+            step_h = tl.where(more, b0, 0)
+        qp_next = ()
+        hp_next = ()
+        for j in tl.static_range(2 * R):
+            qp_next = qp_next + (qp[j] + step_q,)
+            hp_next = hp_next + (hp[j] + step_h,)
+        qp = qp_next
+        hp = hp_next
+        acc = _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, DOT)
+        xp += 256
+        dxp = (dxp[0] + 8, dxp[1] + 8)
+        sxp = (sxp[0] + 8, sxp[1] + 8)
+        if CARRY:
+            tile = _q4_k_tile(qp, hp, R)  # the next super-block's loads
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no super-block
+    values = ()
+    index = ()
+    live = ()
+    for j in tl.static_range(R):
+        for h in tl.static_range(2):
+            for cc in tl.static_range(2):
+                values = values + (acc[j][2 * h + cc],)
+                index = index + (cols[cc] * N + rows[2 * j + h],)
+                live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
+    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
