@@ -22,8 +22,11 @@ all, matrix and dot instructions (IMMA, IDP), global loads, shared-memory traffi
 STS, BAR), and the integer-ALU share (LOP3, SHF, IADD3, I2FP and the like, which issue at half rate on
 sm_90's ALU pipe). With the weight bytes one loop iteration of one warp covers, the issue-time floor of
 the whole matrix: every warp instruction takes an issue slot of one of the device's 4 schedulers per SM
-each clock (--sms, --clock-ghz). A floor from instruction counts, not a time: it says which kernels the
-instructions alone keep from the memory's pace (docs/PERF.md, seventh sitting).
+each clock (--sms, --clock-ghz); and the ALU floor, two clocks for each ALU instruction (sm_90 issues a
+warp's integer-logic instruction to 16 lanes a clock; I2FP counted there too). Floors from instruction
+counts, not times: they say which kernels the instructions alone keep from the memory's pace (the
+kernels timed so far ran at 1.5-1.7x the larger floor where it was above the memory's time;
+docs/PERF.md, seventh sitting).
 """
 
 from __future__ import annotations
@@ -201,10 +204,10 @@ def main() -> None:
     name = f"cuda_sm{arch}" if backend == "cuda" else f"hip_{arch}"
     tuning = load_tuning(name, args.tuning or CONFIG_DIR / f"{name}.json")
     unit = "registers" if backend == "cuda" else "VGPRs"
-    sass_head = (" loop instr | IMMA+IDP | LDG | LDS+STS+BAR | ALU | bytes/warp-iter | issue floor us |"
+    sass_head = (" loop instr | IMMA+IDP | LDG | LDS+STS+BAR | ALU | bytes/warp-iter | issue floor us | ALU floor us |"
                  if args.sass else "")
     print(f"| type | shape | M | kernel | parameters | {unit} | spilled bytes |{sass_head}\n"
-          f"|---|---|---|---|---|---|---|{'---|' * 7 if args.sass else ''}")
+          f"|---|---|---|---|---|---|---|{'---|' * 8 if args.sass else ''}")
     rows = []
     for type_name, n, k, m, params in entries(tuning, args):
         kernel, consts, stages = launch(args.op, type_name, k, m, params, backend)
@@ -221,10 +224,12 @@ def main() -> None:
             mix = loop_mix(sass(compiled.asm["cubin"]))
             per_iter = loop_bytes(type_name, kernel.__name__, consts, params.get("num_warps", 4))
             total = n * k // GGML_TYPES[TYPE_IDS[type_name]].block_size * GGML_TYPES[TYPE_IDS[type_name]].type_size
-            floor_us = mix["all"] * total / per_iter / (args.sms * 4 * args.clock_ghz * 1e3)
-            row.update(loop=mix, bytes_per_warp_iter=per_iter, issue_floor_us=round(floor_us, 2))
+            per_clock_us = total / per_iter / (args.sms * 4 * args.clock_ghz * 1e3)
+            floor_us, alu_us = mix["all"] * per_clock_us, 2 * mix["alu"] * per_clock_us
+            row.update(loop=mix, bytes_per_warp_iter=per_iter, issue_floor_us=round(floor_us, 2),
+                       alu_floor_us=round(alu_us, 2))
             extra = (f" {mix['all']} | {mix['mma_dot']} | {mix['ldg']} | {mix['shared']} | {mix['alu']} | "
-                     f"{per_iter:.0f} | {floor_us:.1f} |")
+                     f"{per_iter:.0f} | {floor_us:.1f} | {alu_us:.1f} |")
         print(f"| {type_name} | {n}x{k} | {m} | {kernel.__name__} | {json.dumps(shown)} | {regs} | "
               f"{'**' + str(spill) + '**' if spill else 0} |{extra}")
         rows.append(row)

@@ -35,7 +35,7 @@ from vegaserve.triton_kernels.matmul import matvec
 from vegaserve.triton_kernels.matvec_flat import candidates, groups_per_block, matvec_flat, rule
 from vegaserve.triton_kernels.matvec_int8 import SUPPORTED as INT8_TYPES
 from vegaserve.triton_kernels.matvec_int8 import candidates as int8_candidates
-from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
+from vegaserve.triton_kernels.matvec_int8 import has_matrix_units, matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.timing import bench_graph, copies_for
 from vegaserve.triton_kernels.tuning import load_tuning
@@ -142,7 +142,7 @@ def main() -> None:
                             return None
                         return bench(lambda wi: matvec_int8(x, wi, **cfg, q8_1=q8))
 
-                    for cfg in (wide_candidates(tid, k) if args.wide else int8_candidates(tid, n, k, m, sms)):
+                    for cfg in (wide_candidates(tid, k) if args.wide else int8_candidates(tid, n, k, m, sms, has_matrix_units(x.device))):
                         t = time_int8(cfg)
                         if t is not None and (t_int8 is None or t < t_int8):
                             t_int8, cfg_int8 = t, cfg

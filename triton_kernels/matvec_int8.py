@@ -16,7 +16,8 @@ Triton 3.6 lays a [rows, blocks, 4] load across 16 rows (16 cache lines an instr
 kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quants keep their groups kernels
 (per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`; on the H200 at block_n
 128 about 62 us at 2, 4 and 8 rows of 28672x4096, against dp4a's 40, 51 and 86 us; far slower on 4096x14336;
-the tuning file's choice where it won).
+the tuning file's choice where it won). mma 2 takes the lanes kernels of matvec_mma.py instead (Q4_K, Q8_0,
+Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync a block and 16 rows with no shared memory, not timed yet.
 
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
@@ -57,96 +58,16 @@ from vegaserve.triton_kernels.flat_words import (
     store_rows,
     zero_rows,
 )
+from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, dot4, lookup16
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
-from vegaserve.triton_kernels.matvec_mma import q4_k_lanes_kernel
+from vegaserve.triton_kernels.matvec_mma import legacy_lanes_kernel, q4_k_lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
-from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
-from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 Q4_0, Q8_0, Q4_K, Q6_K, IQ4_NL, MXFP4 = 2, 8, 12, 14, 20, 39
-EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
-
-
-def _table_words(levels: tuple[int, ...]) -> tl.constexpr:
-    """16 int8 levels as four little-endian int32 words (bytes 4i .. 4i + 3 in word i)."""
-    return tl.constexpr(tuple(int.from_bytes(bytes(v & 0xFF for v in levels[4 * i : 4 * i + 4]), "little", signed=True)
-                              for i in range(4)))
-
-
-IQ4_NL_WORDS = _table_words(IQ4_NL_LEVELS)
-MXFP4_WORDS = _table_words(DOUBLED_E2M1)
-
-
-@triton.jit
-def dot4(a, b, acc, DOT: tl.constexpr):
-    """acc + the sum of the products of the four signed bytes of a and b (int32 tensors)."""
-    if DOT == 1:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    elif DOT == 2:
-        return tl.inline_asm_elementwise("v_dot4_i32_i8 $0, $1, $2, $3", "=v,v,v,v", [a, b, acc],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        for t in tl.static_range(4):
-            acc += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24)
-        return acc
-
-
-@triton.jit
-def byte_permute(a, b, sel, STRIDE: tl.constexpr, DOT: tl.constexpr):
-    """Byte k of the result is byte (sel >> STRIDE k) & 7 of {b, a} (a bytes 0-3, b 4-7). STRIDE 4: nibble
-    selectors, PTX prmt.b32 (default mode) on NVIDIA; 8: byte selectors, v_perm_b32 on AMD. Selectors
-    here are 0-7 only (prmt's bit 3 replicates a sign, v_perm's 8 and up select constants), so the integer
-    emulation, which runs wherever the instruction is not (the interpreter tests both through it), leaves
-    those out."""
-    if DOT == 1 and STRIDE == 4:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel + tl.zeros_like(a)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    elif DOT == 2 and STRIDE == 8:
-        return tl.inline_asm_elementwise("v_perm_b32 $0, $1, $2, $3", "=v,v,v,v", [b, a, sel + tl.zeros_like(a)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        out = tl.zeros_like(a)
-        for k in tl.static_range(4):
-            s = (sel >> (STRIDE * k)) & 7
-            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
-            out = out | (byte << (8 * k))
-        return out
-
-
-@triton.jit
-def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr = -1):
-    """A word of 8 nibbles (byte t: low nibble and high nibble) -> the table's int8 levels of the low nibbles
-    of bytes 0..3 and of the high ones, two words. Nibble k (of the low 16 bits, then of the high) picks its
-    byte from table words 0-1 or 2-3 by its low 3 bits, and bit 3 chooses between the two picks. TABLE: 1
-    IQ4_NL's levels, 2 MXFP4's. BYTE_SELECT (default: on AMD only) takes AMD's byte-selector permute:
-    the low nibbles of the four bytes select at once (q & 0x07070707 is four byte selectors), then the
-    high ones, in 6 permutes and no final interleave; NVIDIA's prmt takes nibble selectors (8 permutes)."""
-    WORDS: tl.constexpr = IQ4_NL_WORDS if TABLE == 1 else MXFP4_WORDS
-    live = q == q  # the table in registers, not immediates (see flat_words.magic)
-    t0 = tl.where(live, WORDS[0], 0)
-    t1 = tl.where(live, WORDS[1], 0)
-    t2 = tl.where(live, WORDS[2], 0)
-    t3 = tl.where(live, WORDS[3], 0)
-    if BYTE_SELECT == 1 or (BYTE_SELECT == -1 and DOT == 2):
-        lo_idx = q & 0x07070707  # byte t: the low 3 bits of its low nibble
-        hi_idx = (q >> 4) & 0x07070707  # of its high nibble
-        lo_sel = ((q >> 1) & 0x04040404) | 0x03020100  # byte t: t, + 4 where its low nibble has bit 3
-        hi_sel = ((q >> 5) & 0x04040404) | 0x03020100
-        lo = byte_permute(byte_permute(t0, t1, lo_idx, 8, DOT), byte_permute(t2, t3, lo_idx, 8, DOT), lo_sel, 8, DOT)
-        hi = byte_permute(byte_permute(t0, t1, hi_idx, 8, DOT), byte_permute(t2, t3, hi_idx, 8, DOT), hi_sel, 8, DOT)
-        return lo, hi
-    idx = q & 0x77777777
-    sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
-    x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel & 0xFFFF, 4, DOT)
-    idx_hi = (idx >> 16) & 0xFFFF
-    x1 = byte_permute(byte_permute(t0, t1, idx_hi, 4, DOT), byte_permute(t2, t3, idx_hi, 4, DOT),
-                      (sel >> 16) & 0xFFFF, 4, DOT)
-    return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
 
 
 def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -869,20 +790,48 @@ _KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kern
             MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
+LANES = frozenset({Q4_K, Q8_0, Q4_0, IQ4_NL, MXFP4})  # the types of mma 2 (matvec_mma.py)
 
 
-def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict[str, int]]:
+def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
+               matrix_units: bool = False) -> list[dict[str, int]]:
     """The launch configs a sweep times: matvec_flat's tile candidates, each with the tile loaded ahead
     (carry 1) and in its own iteration (carry 0); for Q4_K and Q6_K at M = 1 both kernels, the pieces
     kernel also with 8 and 32 rows a program (its best on the H200 was often a smaller block_n than the
-    groups kernel's: Q6_K 8), each with unpack 0 and 1."""
+    groups kernel's: Q6_K 8), each with unpack 0 and 1. matrix_units (has_matrix_units): also the lanes
+    kernels' (lanes_candidates)."""
     tiles = flat_candidates(type_id, n, k, m, sm_count)
     out = [{**c, "carry": carry} for c in tiles for carry in (1, 0)]
     if m == 1 and type_id in (Q4_K, Q6_K):
         out = [{**c, "pieces": 0} for c in out]
         out += [{**c, "carry": carry, "block_n": bn, "pieces": 1, "unpack": unpack}
                 for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)]
+    if matrix_units and type_id in LANES:
+        out += lanes_candidates(type_id, n, k, sm_count)
     return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
+
+
+def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[str, int]]:
+    """mma 2 (matvec_mma.py): 1 or 2 groups of 16 rows a warp on 4 warps, 1 on 8; the 32-element types with
+    4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest power-of-two split-K that
+    gives two programs an SM, with at least two tiles a split, and twice that."""
+    qk = 256 if type_id == Q4_K else 32
+    out = []
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        for nb in (8,) if type_id == Q4_K else (4, 8):
+            tiles = k // qk // max(1, nb * 32 // qk)
+            split = 1
+            while -(-n // block_n) * split < 2 * sm_count and tiles // (2 * split) >= 2:
+                split *= 2
+            out += [{"mma": 2, "block_n": block_n, "num_warps": warps, "nb": nb, "split_k": s, "carry": 1}
+                    for s in sorted({split, split * 2 if tiles // (2 * split) >= 2 else split})]
+    return out
+
+
+def has_matrix_units(device: torch.device) -> bool:
+    """Whether the lanes kernels (mma 2) run on `device`: an NVIDIA GPU of sm_80 or later."""
+    return (device.type == "cuda" and not torch.version.hip
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def dot_kind(device: torch.device) -> int:
@@ -896,12 +845,15 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     """The kernel a launch of m activation rows with these launch parameters takes, and its type's
     constexprs (benchmarks/kernel_resources.py compiles the same choice without a GPU)."""
     kernel, type_args = _KERNELS[type_id]
+    if params.get("mma", 0) == 2 and type_id in LANES:
+        # one mma.sync per block (Q4_K: sub-block) and 16 rows, operands in the lanes' registers
+        # (matvec_mma.py): not timed yet
+        if type_id == Q4_K:
+            return q4_k_lanes_kernel, {"W": params["num_warps"]}
+        return legacy_lanes_kernel, {**type_args, "W": params["num_warps"]}
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}
-    if type_id == Q4_K and params.get("mma", 0) == 2:
-        # one mma.sync per sub-block, operands in the lanes' registers (matvec_mma.py): not timed yet
-        return q4_k_lanes_kernel, {"W": params["num_warps"]}
     if type_id == Q4_K and m > 1 and params.get("mma", 0):
         return _q4_k_mma_kernel, {}  # where the tuning file says (docs/PERF.md): no default
     if type_id == Q4_K and params.get("pieces", int(m == 1)):
@@ -930,9 +882,10 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
-    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, M
-    <= 8, NVIDIA sm_80+): one mma.sync per sub-block and 16 rows with each lane's operands loaded in
-    place (matvec_mma.py; block_n 16 x num_warps x the 16-row groups a warp takes); unpack 1 (the
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, Q8_0,
+    Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync per block (Q4_K: sub-block) and 16 rows with each
+    lane's operands loaded in place (matvec_mma.py; block_n 16 x num_warps x the 16-row groups a warp
+    takes; the 32-element types' nb a power of two >= 2); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
     mma 1 and unpack 1 are the tuning file's choice per shape (mma won only at M = 8 of 28672x4096 on the
     H200).
@@ -949,10 +902,14 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     if mma == 2:
         lanes_rows = 16 * plan.params["num_warps"]
-        if w.type_id != Q4_K or plan.params["block_n"] % lanes_rows:
-            raise ValueError(f"mma 2 is Q4_K's, with block_n a multiple of 16 x num_warps ({lanes_rows}); "
-                             f"got {w.type_name}, block_n {plan.params['block_n']}")
-        if dot_kind(x.device) == PTX_DP4A and torch.cuda.get_device_capability(x.device) < (8, 0):
+        if w.type_id not in LANES or plan.params["block_n"] % lanes_rows:
+            raise ValueError(f"mma 2 takes Q4_K, Q8_0, Q4_0, IQ4_NL and MXFP4, with block_n a multiple of 16 x "
+                             f"num_warps ({lanes_rows}); got {w.type_name}, block_n {plan.params['block_n']}")
+        tile = plan.per_tile
+        if w.type_id != Q4_K and (tile < 2 or tile & (tile - 1) or K // 32 % 2):
+            raise ValueError(f"mma 2 loads a tile's scales 8 bytes at a time: nb a power of two >= 2 and K a "
+                             f"multiple of 64; got nb {tile}, K {K}")
+        if dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device):
             raise ValueError("mma 2 takes mma.sync m16n8k32 (int8), sm_80 and later")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     kernel, type_args = choose_kernel(w.type_id, M, plan.params)

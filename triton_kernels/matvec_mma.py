@@ -1,5 +1,6 @@
 """Decode mat-vec for 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
-operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W a Q4_K matrix.
+operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W Q4_K (q4_k_lanes_kernel)
+or a 32-element type with one scale a block, Q8_0, Q4_0, IQ4_NL or MXFP4 (legacy_lanes_kernel).
 
 Why lanes. At 8 rows of x the dp4a kernels of matvec_int8 issue about 8 dp4a and 2 activation loads per
 4 bytes of weight in every lane, which kept them at 2.4-3.2x their one-row time on the H200 (docs/PERF.md),
@@ -9,7 +10,7 @@ multiplies 16 weight rows by 32 elements of 8 activation rows, exactly the shape
 to 8 sequences; each lane holds 4 words of A (16 int8 of 2 rows), 2 of B (8 int8 of 1 row of x) and gets
 4 int32 of the result. Here every tensor is one value per lane (`lanes`: [32 W], lane i % 32 of warp
 i // 32), so the code says what each lane loads and which register it passes: no layout conversion, no
-shared memory, and one matrix instruction per 32-element sub-block of 16 rows.
+shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block) of 16 rows.
 
 The fragment of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32"), lane = 4 g + t:
   A (16 x 32, row): a0 row g, k 4t..4t+3 (a byte each); a1 row g + 8, same k; a2 row g, k 16+4t..16+4t+3;
@@ -22,10 +23,16 @@ of the sub-block and k 16+4t+i for element 8t+4+i: lane t's 8 bytes of A (a row'
 A chunk's low nibbles are sub-block 2c and its high nibbles sub-block 2c + 1, so one load of 8 bytes of a
 row gives that row's A words of both sub-blocks, one mask (and one shift) each.
 
-Per lane and super-block, for each 16-row group it holds: 8 loads of 8 bytes (rows g, g + 8; chunks 0-3),
-2 of its rows' 16-byte head records (d, dmin, the 12 scale bytes), 8 mma and the f32 scaling of 4 results
-a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]); the x words and the q8_1 scales
-(columns g and 2t, 2t + 1) once for all its groups (BLOCK_N = 16 W R: R groups a warp).
+Per lane and Q4_K super-block, for each 16-row group it holds: 8 loads of 8 bytes (rows g, g + 8; chunks
+0-3), 2 of its rows' 16-byte head records (d, dmin, the 12 scale bytes), 8 mma and the f32 scaling of 4
+results a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]); the x words and the q8_1
+scales (columns g and 2t, 2t + 1, 8 bytes a load) once for all its groups (BLOCK_N = 16 W R: R groups a
+warp). The 32-element types: Q8_0 as Q4_K (8 bytes at 8t of the block's 32, the same k numbering); the
+nibble types' block is 16 bytes, byte l holding elements l (low nibble) and l + 16 (high), so lane t's
+4 bytes at 4t give k 4t.. (low nibbles) and k 16+4t.. (high) in the instruction's own numbering, and its
+B words are x's elements 4t.. and 16+4t.. (two 4-byte loads); Q4_0 as unsigned codes with its 8 taken off
+through the q8_1 sums, IQ4_NL and MXFP4 through int8_ops.lookup16. Their scales: a tile's NB records of
+a row in 8-byte loads.
 
 Under the interpreter (DOT 0) the matrix instruction is emulated from the same per-lane registers
 (the lanes' words regathered into the 16 x 32 and 32 x 8 matrices), so the tests check the fragment
@@ -40,6 +47,8 @@ import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import store_split
+from vegaserve.triton_kernels.int8_ops import lookup16
+from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 @triton.jit
 def lanes(W: tl.constexpr):
@@ -99,6 +108,84 @@ def _halves(v):
 
 
 @triton.jit
+def _f32_run(ptr, live, COUNT: tl.constexpr):
+    """COUNT consecutive f32 at ptr (8-byte aligned, COUNT even) from COUNT / 2 loads of 8 bytes, 0.0 where
+    not live: a tuple of COUNT [32 W]."""
+    out = ()
+    for i in tl.static_range(COUNT // 2):
+        lo, hi = _halves(tl.load((ptr + 2 * i).to(tl.pointer_type(tl.int64)), mask=live, other=0))
+        out = out + (lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
+    return out
+
+
+@triton.jit
+def _byte_words(ptr, NBYTES: tl.constexpr):
+    """NBYTES (2, 4 or a multiple of 8) bytes at ptr (aligned to their size, 8 at most) as int32 words."""
+    if NBYTES == 2:
+        return (tl.load(ptr.to(tl.pointer_type(tl.int16))).to(tl.int32),)
+    elif NBYTES == 4:
+        return (tl.load(ptr.to(tl.pointer_type(tl.int32))),)
+    else:
+        out = ()
+        for i in tl.static_range(NBYTES // 8):
+            out = out + _halves(tl.load((ptr + 8 * i).to(tl.pointer_type(tl.int64))))
+        return out
+
+
+@triton.jit
+def _lane_program(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """Where each lane works: its rows (group j: top + 16 j and + 8, as the tuple rows[2 j], rows[2 j + 1])
+    and those clamped to N - 1 in int64 for the loads; its split's first block and the number of them; g
+    and t; its columns of y (2t, 2t + 1; g is its column of x)."""
+    R: tl.constexpr = BLOCK_N // (16 * W)
+    warp, g, t = lanes(W)
+    first = tl.program_id(1) * blocks_per_split
+    n_iter = tl.minimum(first + blocks_per_split, n_blocks) - first
+    top = tl.program_id(0) * BLOCK_N + warp * (16 * R) + g
+    rows = ()
+    r64 = ()
+    for j in tl.static_range(2 * R):
+        rows = rows + (top + 8 * j,)
+        r64 = r64 + (tl.minimum(top + 8 * j, N - 1).to(tl.int64),)
+    cols = (2 * t, 2 * t + 1)
+    return rows, r64, first, n_iter, g, t, cols
+
+
+@triton.jit
+def _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M: tl.constexpr, N, R: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) of each group j into y (store_split)."""
+    values = ()
+    index = ()
+    live = ()
+    for j in tl.static_range(R):
+        for h in tl.static_range(2):
+            for cc in tl.static_range(2):
+                values = values + (acc[j][2 * h + cc],)
+                index = index + (cols[cc] * N + rows[2 * j + h],)
+                live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
+    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
+
+
+@triton.jit
+def _zero_acc(R: tl.constexpr, W: tl.constexpr):
+    acc = ()
+    for j in tl.static_range(R):
+        z = tl.zeros([32 * W], dtype=tl.float32)
+        acc = acc + ((z, z, z, z),)
+    return acc
+
+
+@triton.jit
+def _scaled(acc, d0, d1, d2, d3, u0, u1, s_top, s_bottom):
+    """acc (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) + each int32 result as f32 times its column's
+    u and its row's s."""
+    a0, a1, a2, a3 = acc
+    return (a0 + s_top * (d0.to(tl.float32) * u0), a1 + s_top * (d1.to(tl.float32) * u1),
+            a2 + s_bottom * (d2.to(tl.float32) * u0), a3 + s_bottom * (d3.to(tl.float32) * u1))
+
+
+@triton.jit
 def _q4_k_rows_tile(qp, hp):
     """One lane's loads of a super-block for one row: bytes 8t..8t+7 of each 32-byte chunk (int64 x 4) and
     the row's 16-byte head record (int64 x 2: d and dmin, scale words a; b, c)."""
@@ -141,33 +228,28 @@ def _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl
     """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
     2t + 1) f32. xp: x's bytes 8t.. of column g at the super-block's first element (xlive: g < M); dxp,
     sxp: the q8_1 scales and sums of columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
+    dx0 = _f32_run(dxp[0], clive[0], 8)
+    dx1 = _f32_run(dxp[1], clive[1], 8)
+    sx0 = _f32_run(sxp[0], clive[0], 8)
+    sx1 = _f32_run(sxp[1], clive[1], 8)
     new = acc
-    for c in tl.static_range(4):
-        for nib in tl.static_range(2):
-            s = 2 * c + nib
-            b0, b1 = _halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
-            dx0 = tl.load(dxp[0] + s, mask=clive[0], other=0.0)
-            dx1 = tl.load(dxp[1] + s, mask=clive[1], other=0.0)
-            sx0 = tl.load(sxp[0] + s, mask=clive[0], other=0.0)
-            sx1 = tl.load(sxp[1] + s, mask=clive[1], other=0.0)
-            out = ()
-            for j in tl.static_range(R):
-                top = tile[2 * j]
-                bottom = tile[2 * j + 1]
-                t_lo, t_hi = _halves(top[c])
-                b_lo, b_hi = _halves(bottom[c])
-                if nib == 1:
-                    t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
-                d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
-                                             b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
-                st, mt = _q4_k_scales(top[4], top[5], s)
-                sb, mb = _q4_k_scales(bottom[4], bottom[5], s)
-                a0, a1, a2, a3 = new[j]
-                out = out + ((a0 + d0.to(tl.float32) * (st * dx0) - mt * sx0,
-                              a1 + d1.to(tl.float32) * (st * dx1) - mt * sx1,
-                              a2 + d2.to(tl.float32) * (sb * dx0) - mb * sx0,
-                              a3 + d3.to(tl.float32) * (sb * dx1) - mb * sx1),)
-            new = out
+    for s in tl.static_range(8):  # chunk s // 2: its low nibbles for even s, high for odd
+        b0, b1 = _halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+        out = ()
+        for j in tl.static_range(R):
+            top = tile[2 * j]
+            bottom = tile[2 * j + 1]
+            t_lo, t_hi = _halves(top[s // 2])
+            b_lo, b_hi = _halves(bottom[s // 2])
+            if s % 2 == 1:
+                t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
+            d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
+                                         b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
+            st, mt = _q4_k_scales(top[4], top[5], s)
+            sb, mb = _q4_k_scales(bottom[4], bottom[5], s)
+            a0, a1, a2, a3 = _scaled(new[j], d0, d1, d2, d3, dx0[s], dx1[s], st, sb)
+            out = out + ((a0 - mt * sx0[s], a1 - mt * sx1[s], a2 - mb * sx0[s], a3 - mb * sx1[s]),)
+        new = out
     return new
 
 
@@ -180,35 +262,24 @@ def q4_k_lanes_kernel(
     CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr,
 ):
     """Q4_K, 1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp), one
-    super-block an iteration (the launch's NB is not used; DOT 1: the mma instruction, 0 its emulation). CARRY 1: the next super-block's weight
-    loads are issued before this one's products."""
+    super-block an iteration (the launch's NB is not used; DOT 1: the mma instruction, 0 its emulation).
+    CARRY 1: the next super-block's weight loads are issued before this one's products."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
-    warp, g, t = lanes(W)
-    first = tl.program_id(1) * blocks_per_split
-    n_iter = tl.minimum(first + blocks_per_split, K // 256) - first
-    top = tl.program_id(0) * BLOCK_N + warp * (16 * R) + g  # group j: rows top + 16 j, + 8
+    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 256, BLOCK_N, W)
     qp = ()
     hp = ()
-    rows = ()
     for j in tl.static_range(2 * R):
-        row = top + 8 * j
-        r64 = tl.minimum(row, N - 1).to(tl.int64)
-        qp = qp + (base + o2 + r64 * r2 + first * b2 + 8 * t,)
-        hp = hp + (base + o0 + r64 * r0 + first * b0,)
-        rows = rows + (row,)
+        qp = qp + (base + o2 + r64[j] * r2 + first * b2 + 8 * t,)
+        hp = hp + (base + o0 + r64[j] * r0 + first * b0,)
     xlive = g < M
     xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 256 + 8 * t
-    cols = (2 * t, 2 * t + 1)
     clive = (cols[0] < M, cols[1] < M)
     dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
            dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
     sxp = (sx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
            sx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
-    acc = ()
-    for j in tl.static_range(R):
-        z = tl.zeros([32 * W], dtype=tl.float32)
-        acc = acc + ((z, z, z, z),)
+    acc = _zero_acc(R, W)
     if CARRY:
         tile = _q4_k_tile(qp, hp, R)
     for it in range(0, n_iter):
@@ -235,13 +306,144 @@ def q4_k_lanes_kernel(
         if CARRY:
             tile = _q4_k_tile(qp, hp, R)  # the next super-block's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no super-block
-    values = ()
-    index = ()
-    live = ()
-    for j in tl.static_range(R):
-        for h in tl.static_range(2):
-            for cc in tl.static_range(2):
-                values = values + (acc[j][2 * h + cc],)
-                index = index + (cols[cc] * N + rows[2 * j + h],)
-                live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
-    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
+    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
+
+
+@triton.jit
+def _legacy_tile(qp, dp, R: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
+    """One lane's loads of NB blocks for each of its 2R rows: the quant bytes (WORDS 8: 8 bytes at 8t of each
+    block's 32; 4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow."""
+    tile = ()
+    for j in tl.static_range(2 * R):
+        q = ()
+        for b in tl.static_range(NB):
+            if WORDS == 8:
+                q = q + (tl.load((qp[j] + 32 * b).to(tl.pointer_type(tl.int64))),)
+            else:
+                q = q + (tl.load((qp[j] + 16 * b).to(tl.pointer_type(tl.int32))),)
+        tile = tile + ((q, _byte_words(dp[j], NB * (1 if E8M0 else 2))),)
+    return tile
+
+
+@triton.jit
+def _legacy_scale(words, b: tl.constexpr, E8M0: tl.constexpr):
+    """Block b's scale from the row's scale words, f32 (MXFP4: half its E8M0 scale, as its doubled levels)."""
+    SIZE: tl.constexpr = 1 if E8M0 else 2
+    w = words[(b * SIZE) // 4] >> (8 * ((b * SIZE) % 4))
+    if E8M0:
+        return half_scale(w & 0xFF)
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr):
+    """A lane's two A words of one row of a block: Q8_0 the two halves of its 8 bytes (elements 8t..8t+3 at
+    k 4t.., 8t+4.. at k 16+4t..); the nibble types the low nibbles of its 4 bytes (elements 4t..4t+3, k
+    4t..) and the high ones (16+4t.., k 16+4t..), as unsigned codes (Q4_0) or the TABLE's levels."""
+    if WORDS == 8:
+        return _halves(q)
+    elif TABLE == 0:
+        return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
+    else:
+        return lookup16(q, TABLE, DOT)
+
+
+@triton.jit
+def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+                     WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr):
+    """NB blocks' products for the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first
+    element of column g; the B words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble
+    types: 4t.. and 16 + 4t..). Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
+    dx0 = _f32_run(dxp[0], clive[0], NB)
+    dx1 = _f32_run(dxp[1], clive[1], NB)
+    if TABLE == 0 and WORDS == 4:
+        sx0 = _f32_run(sxp[0], clive[0], NB)
+        sx1 = _f32_run(sxp[1], clive[1], NB)
+    new = acc
+    for b in tl.static_range(NB):
+        if WORDS == 8:
+            x0, x1 = _halves(tl.load((xp + 32 * b).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+        else:
+            x0 = tl.load((xp + 32 * b).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            x1 = tl.load((xp + 32 * b + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+        out = ()
+        for j in tl.static_range(R):
+            top_q, top_s = tile[2 * j]
+            bottom_q, bottom_s = tile[2 * j + 1]
+            t_lo, t_hi = _legacy_codes(top_q[b], WORDS, TABLE, DOT)
+            b_lo, b_hi = _legacy_codes(bottom_q[b], WORDS, TABLE, DOT)
+            d0, d1, d2, d3 = mma_16x8x32(t_lo, b_lo, t_hi, b_hi, x0, x1, W, DOT)
+            st = _legacy_scale(top_s, b, E8M0)
+            sb = _legacy_scale(bottom_s, b, E8M0)
+            if TABLE == 0 and WORDS == 4:
+                a0, a1, a2, a3 = new[j]
+                u0 = d0.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
+                u1 = d1.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
+                u2 = d2.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
+                u3 = d3.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
+                out = out + ((a0 + st * u0, a1 + st * u1, a2 + sb * u2, a3 + sb * u3),)
+            else:
+                out = out + (_scaled(new[j], d0, d1, d2, d3, dx0[b], dx1[b], st, sb),)
+        new = out
+    return new
+
+
+@triton.jit
+def legacy_lanes_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d (MXFP4: e), qs
+    N, K, blocks_per_split,  # blocks of 32
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr,
+    E8M0: tl.constexpr,
+):
+    """The 32-element types with one scale a block, 1..8 rows of x, one m16n8k32 a block and 16 rows: Q8_0
+    (WORDS 8), Q4_0 (WORDS 4, TABLE 0), IQ4_NL and MXFP4 (their level TABLE 1 and 2; MXFP4's scale an
+    E8M0 byte). NB blocks an iteration (even; the scale plane's NB records and the q8_1 scales of the
+    tile are loaded 8 bytes at a time), BLOCK_N = 16 W R as q4_k_lanes_kernel. The repacked layout: the
+    scale plane's records are contiguous along a row."""
+    pdl.let_next_start(PDL)
+    R: tl.constexpr = BLOCK_N // (16 * W)
+    SIZE: tl.constexpr = 1 if E8M0 else 2
+    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 32, BLOCK_N, W)
+    n_iter = n_iter // NB
+    qp = ()
+    dp = ()
+    for j in tl.static_range(2 * R):
+        qp = qp + (base + o1 + r64[j] * r1 + first * b1 + (WORDS * t),)
+        dp = dp + (base + o0 + r64[j] * r0 + first * SIZE,)
+    xlive = g < M
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 32 + WORDS * t
+    clive = (cols[0] < M, cols[1] < M)
+    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first,
+           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first)
+    sxp = (sx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first,
+           sx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first)
+    acc = _zero_acc(R, W)
+    if CARRY:
+        tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)
+        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
+        more = it + 1 < n_iter
+        step_q = NB * b1
+        step_d = NB * SIZE
+        if CARRY:  # after the last tile the extra loads read it again instead of past the split
+            step_q = tl.where(more, NB * b1, 0)
+            step_d = tl.where(more, NB * SIZE, 0)
+        qp_next = ()
+        dp_next = ()
+        for j in tl.static_range(2 * R):
+            qp_next = qp_next + (qp[j] + step_q,)
+            dp_next = dp_next + (dp[j] + step_d,)
+        qp = qp_next
+        dp = dp_next
+        acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+        xp += NB * 32
+        dxp = (dxp[0] + NB, dxp[1] + NB)
+        sxp = (sxp[0] + NB, sxp[1] + NB)
+        if CARRY:
+            tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)  # the next tile's loads
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
+    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)

@@ -101,7 +101,7 @@ def tune(types: list[str], classes: list[str], rows: list[int], out: Path | None
                     ref_q = xq @ dense.T
                     t_q = bench_graph([lambda: matvec_int8.quantize_q8_1(x)] * len(rotation))
                     calls = [(c, lambda wi, c=c: matvec_int8.matvec_int8(x, wi, **c, q8_1=q8))
-                             for c in matvec_int8.candidates(tid, n, k, m, sms)]
+                             for c in matvec_int8.candidates(tid, n, k, m, sms, matvec_int8.has_matrix_units(x.device))]
                     t8, cfg8 = _fastest(
                         label + " int8", calls,
                         lambda y: float((y - ref_q).norm() / ref_q.norm()), rotation, log)

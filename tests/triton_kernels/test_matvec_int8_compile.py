@@ -40,6 +40,10 @@ kernels = {
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
     kernels["Q4_K_lanes"] = (mv.q4_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
+    for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
+                                     ("MXFP4", 4, 2, True)):
+        kernels[name + "_lanes"] = (mv.legacy_lanes_kernel, dict(M=8, BLOCK_N=64, NB=4, W=4, WORDS=words,
+                                                                 TABLE=table, E8M0=e8m0))
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -56,7 +60,11 @@ WANT = {  # type -> instructions its kernel must contain, per backend
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
              "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
-             "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"}},
+             "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
+             "Q8_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
+             "Q4_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
+             "IQ4_NL_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"},
+             "MXFP4_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
@@ -71,8 +79,9 @@ def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(back
     for name, want in WANT[backend].items():
         assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
-    if backend == "cuda":  # Hopper's warpgroup int8 MMA for the matrix-unit kernel, one per sub-block
-        assert "dp4a.s32.s32" not in found["Q4_K_mma"]
+    if backend == "cuda":  # matrix units, no dp4a: Hopper's warpgroup MMA (tl.dot), mma.sync (the lanes kernels)
+        for name in ("Q4_K_mma", "Q4_K_lanes", "Q8_0_lanes", "Q4_0_lanes", "IQ4_NL_lanes", "MXFP4_lanes"):
+            assert "dp4a.s32.s32" not in found[name], name
 
 
 LAYOUT = r"""
@@ -132,9 +141,13 @@ from vegaserve.triton_kernels import matvec_int8 as mv
 
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
          "out_ptr": "*fp32", "count_ptr": "*i32"}
-fn = mv.q4_k_lanes_kernel
-for warps, block_n, split in ((4, 64, 1), (4, 128, 2), (8, 128, 1)):
-    consts = dict(M=8, BLOCK_N=block_n, NB=1, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, W=warps)
+cases = [("Q4_K", mv.q4_k_lanes_kernel, {}, 1, 8)] + [
+    (name, mv.legacy_lanes_kernel, dict(WORDS=words, TABLE=table, E8M0=e8m0), 4, 4)
+    for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
+                                     ("MXFP4", 4, 2, True))]
+runs = [(4, 64, 1), (4, 128, 2), (8, 128, 1)]
+for (name, fn, type_args, nb, mma_per_tile), (warps, block_n, split) in [(c, r) for c in cases for r in runs]:
+    consts = dict(M=8, BLOCK_N=block_n, NB=nb, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, W=warps, **type_args)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n in types or re.fullmatch(r"[or]\d|N|K", n)}
@@ -142,23 +155,25 @@ for warps, block_n, split in ((4, 64, 1), (4, 128, 2), (8, 128, 1)):
                          options={"num_warps": warps, "num_stages": 1}).asm
     ttgir = asm["ttgir"]
     layouts = sorted(set(re.findall(r"^#\w+ = (#ttg\.\w+<.*>)$", ttgir, re.M)))
-    print(warps, block_n, split, "layouts", len(layouts), "|".join(layouts))
-    print(warps, block_n, split, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
-    print(warps, block_n, split, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k32"))
+    key = f"{name} {warps} {block_n} {split}"
+    print(key, "layouts", len(layouts), "|".join(layouts))
+    print(key, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
+    print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k32") // mma_per_tile)
 print("compiled")
 """
 
 
-def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compile):
-    """The lanes kernel (matvec_mma.py) is correct only if each [32 W] tensor keeps Triton's one-value-a-lane
-    layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked layout in the
-    whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no shared memory (the
-    tl.dot kernel's cost), and 8 mma a super-block for each of the warp's 16-row groups."""
+def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compile):
+    """The lanes kernels (matvec_mma.py) are correct only if each [32 W] tensor keeps Triton's
+    one-value-a-lane layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked
+    layout in the whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no
+    shared memory (the tl.dot kernel's cost), and one mma a block (Q4_K: 8 a super-block) for each of the
+    warp's 16-row groups, for every type."""
     out = offline_compile(LANES, "cuda", "90", 32)
-    lines = [line.split(maxsplit=4) for line in out.splitlines() if line != "compiled"]
+    lines = [line.split(maxsplit=5) for line in out.splitlines() if line != "compiled"]
     seen = set()
-    for warps, block_n, split, what, rest in lines:
-        seen.add((warps, block_n, split))
+    for name, warps, block_n, split, what, rest in lines:
+        seen.add((name, warps, block_n, split))
         if what == "layouts":
             count, layouts = rest.split(maxsplit=1)
             assert count == "1", layouts
@@ -168,5 +183,5 @@ def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compil
             assert rest.split() == ["0", "shared", "0"], rest
         else:
             groups = int(block_n) // (16 * int(warps))
-            assert int(rest) == 8 * groups, (warps, block_n, rest)
-    assert len(seen) == 3
+            assert int(rest) == groups, (name, warps, block_n, rest)
+    assert len(seen) == 15

@@ -1,0 +1,93 @@
+"""The integer instructions the int8-dot kernels share (matvec_int8.py, matvec_mma.py): `dot4`, four
+signed-byte products a lane (dp4a on NVIDIA, v_dot4_i32_i8 on AMD), `byte_permute` (prmt, v_perm_b32)
+and `lookup16`, a word of 8 nibbles made two words of a 16-entry table's int8 levels (IQ4_NL, MXFP4);
+each with the integer emulation that the interpreter (and a CPU tensor) runs, which the tests compare
+with the instructions where a GPU is."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels.quants.iq4_nl import LEVELS as IQ4_NL_LEVELS
+from vegaserve.triton_kernels.quants.mxfp4 import DOUBLED_E2M1
+
+EMULATE, PTX_DP4A, AMDGCN_DOT4 = 0, 1, 2
+
+
+def _table_words(levels: tuple[int, ...]) -> tl.constexpr:
+    """16 int8 levels as four little-endian int32 words (bytes 4i .. 4i + 3 in word i)."""
+    return tl.constexpr(tuple(int.from_bytes(bytes(v & 0xFF for v in levels[4 * i : 4 * i + 4]), "little", signed=True)
+                              for i in range(4)))
+
+
+IQ4_NL_WORDS = _table_words(IQ4_NL_LEVELS)
+MXFP4_WORDS = _table_words(DOUBLED_E2M1)
+
+
+@triton.jit
+def dot4(a, b, acc, DOT: tl.constexpr):
+    """acc + the sum of the products of the four signed bytes of a and b (int32 tensors)."""
+    if DOT == 1:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    elif DOT == 2:
+        return tl.inline_asm_elementwise("v_dot4_i32_i8 $0, $1, $2, $3", "=v,v,v,v", [a, b, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for t in tl.static_range(4):
+            acc += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24)
+        return acc
+
+
+@triton.jit
+def byte_permute(a, b, sel, STRIDE: tl.constexpr, DOT: tl.constexpr):
+    """Byte k of the result is byte (sel >> STRIDE k) & 7 of {b, a} (a bytes 0-3, b 4-7). STRIDE 4: nibble
+    selectors, PTX prmt.b32 (default mode) on NVIDIA; 8: byte selectors, v_perm_b32 on AMD. Selectors
+    here are 0-7 only (prmt's bit 3 replicates a sign, v_perm's 8 and up select constants), so the integer
+    emulation, which runs wherever the instruction is not (the interpreter tests both through it), leaves
+    those out."""
+    if DOT == 1 and STRIDE == 4:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel + tl.zeros_like(a)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    elif DOT == 2 and STRIDE == 8:
+        return tl.inline_asm_elementwise("v_perm_b32 $0, $1, $2, $3", "=v,v,v,v", [b, a, sel + tl.zeros_like(a)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            s = (sel >> (STRIDE * k)) & 7
+            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
+            out = out | (byte << (8 * k))
+        return out
+
+
+@triton.jit
+def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr = -1):
+    """A word of 8 nibbles (byte t: low nibble and high nibble) -> the table's int8 levels of the low nibbles
+    of bytes 0..3 and of the high ones, two words. Nibble k (of the low 16 bits, then of the high) picks its
+    byte from table words 0-1 or 2-3 by its low 3 bits, and bit 3 chooses between the two picks. TABLE: 1
+    IQ4_NL's levels, 2 MXFP4's. BYTE_SELECT (default: on AMD only) takes AMD's byte-selector permute:
+    the low nibbles of the four bytes select at once (q & 0x07070707 is four byte selectors), then the
+    high ones, in 6 permutes and no final interleave; NVIDIA's prmt takes nibble selectors (8 permutes)."""
+    WORDS: tl.constexpr = IQ4_NL_WORDS if TABLE == 1 else MXFP4_WORDS
+    live = q == q  # the table in registers, not immediates (see flat_words.magic)
+    t0 = tl.where(live, WORDS[0], 0)
+    t1 = tl.where(live, WORDS[1], 0)
+    t2 = tl.where(live, WORDS[2], 0)
+    t3 = tl.where(live, WORDS[3], 0)
+    if BYTE_SELECT == 1 or (BYTE_SELECT == -1 and DOT == 2):
+        lo_idx = q & 0x07070707  # byte t: the low 3 bits of its low nibble
+        hi_idx = (q >> 4) & 0x07070707  # of its high nibble
+        lo_sel = ((q >> 1) & 0x04040404) | 0x03020100  # byte t: t, + 4 where its low nibble has bit 3
+        hi_sel = ((q >> 5) & 0x04040404) | 0x03020100
+        lo = byte_permute(byte_permute(t0, t1, lo_idx, 8, DOT), byte_permute(t2, t3, lo_idx, 8, DOT), lo_sel, 8, DOT)
+        hi = byte_permute(byte_permute(t0, t1, hi_idx, 8, DOT), byte_permute(t2, t3, hi_idx, 8, DOT), hi_sel, 8, DOT)
+        return lo, hi
+    idx = q & 0x77777777
+    sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
+    x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel & 0xFFFF, 4, DOT)
+    idx_hi = (idx >> 16) & 0xFFFF
+    x1 = byte_permute(byte_permute(t0, t1, idx_hi, 4, DOT), byte_permute(t2, t3, idx_hi, 4, DOT),
+                      (sel >> 16) & 0xFFFF, 4, DOT)
+    return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
