@@ -91,3 +91,9 @@ def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexp
     x1 = byte_permute(byte_permute(t0, t1, idx_hi, 4, DOT), byte_permute(t2, t3, idx_hi, 4, DOT),
                       (sel >> 16) & 0xFFFF, 4, DOT)
     return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
+
+
+@triton.jit
+def minus_32(code):
+    """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
+    return (code + 0x60606060) ^ -0x7F7F7F80

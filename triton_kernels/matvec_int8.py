@@ -16,8 +16,8 @@ Triton 3.6 lays a [rows, blocks, 4] load across 16 rows (16 cache lines an instr
 kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quants keep their groups kernels
 (per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`; on the H200 at block_n
 128 about 62 us at 2, 4 and 8 rows of 28672x4096, against dp4a's 40, 51 and 86 us; far slower on 4096x14336;
-the tuning file's choice where it won). mma 2 takes the lanes kernels of matvec_mma.py instead (Q4_K, Q8_0,
-Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync a block and 16 rows with no shared memory, not timed yet.
+the tuning file's choice where it won). mma 2 takes the lanes kernels of matvec_mma.py instead (Q4_K, Q6_K,
+Q8_0, Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync a block and 16 rows with no shared memory, not timed yet.
 
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
@@ -58,12 +58,12 @@ from vegaserve.triton_kernels.flat_words import (
     store_rows,
     zero_rows,
 )
-from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, dot4, lookup16
+from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, dot4, lookup16, minus_32
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
-from vegaserve.triton_kernels.matvec_mma import legacy_lanes_kernel, q4_k_lanes_kernel
+from vegaserve.triton_kernels.matvec_mma import legacy_lanes_kernel, q4_k_lanes_kernel, q6_k_lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
@@ -596,12 +596,6 @@ def _q4_k_mma_kernel(
 
 
 @triton.jit
-def _minus_32(code):
-    """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
-    return (code + 0x60606060) ^ -0x7F7F7F80
-
-
-@triton.jit
 def _q6_k_tile(qh_p, ql_p, sp, dp, l4):
     """Loads of one Q6_K tile: d, the group's four scales (codes 0 .. 3, gm + 2 gh), its qh run and its two
     ql runs."""
@@ -621,8 +615,8 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
         lo = ()
         hi = ()
         for i in tl.static_range(4):
-            lo = lo + (_minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
-            hi = hi + (_minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
+            lo = lo + (minus_32((ql[i] & 0x0F0F0F0F) | ((qh[i] << (4 - 2 * gm)) & 0x30303030)),)
+            hi = hi + (minus_32(((ql[i] >> 4) & 0x0F0F0F0F) | ((qh[i] >> (2 * gm)) & 0x30303030)),)
         sc_lo = d * scales[gm].to(tl.float32)  # code gm
         sc_hi = d * scales[gm + 2].to(tl.float32)  # code gm + 2
         acc_g = ()
@@ -734,8 +728,8 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr
     hi = ()
     for i in tl.static_range(4):
         h2 = hq[i] >> shift
-        lo = lo + (_minus_32((lq[i] & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)),)
-        hi = hi + (_minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
+        lo = lo + (minus_32((lq[i] & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)),)
+        hi = hi + (minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
     new = ()
     for m in tl.static_range(M):
         xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
@@ -790,7 +784,7 @@ _KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kern
             MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
-LANES = frozenset({Q4_K, Q8_0, Q4_0, IQ4_NL, MXFP4})  # the types of mma 2 (matvec_mma.py)
+LANES = frozenset({Q4_K, Q6_K, Q8_0, Q4_0, IQ4_NL, MXFP4})  # the types of mma 2 (matvec_mma.py)
 
 
 def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
@@ -815,10 +809,10 @@ def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[s
     """mma 2 (matvec_mma.py): 1 or 2 groups of 16 rows a warp on 4 warps, 1 on 8; the 32-element types with
     4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest power-of-two split-K that
     gives two programs an SM, with at least two tiles a split, and twice that."""
-    qk = 256 if type_id == Q4_K else 32
+    qk = 256 if type_id in (Q4_K, Q6_K) else 32
     out = []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
-        for nb in (8,) if type_id == Q4_K else (4, 8):
+        for nb in (8,) if qk == 256 else (4, 8):
             tiles = k // qk // max(1, nb * 32 // qk)
             split = 1
             while -(-n // block_n) * split < 2 * sm_count and tiles // (2 * split) >= 2:
@@ -848,8 +842,8 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     if params.get("mma", 0) == 2 and type_id in LANES:
         # one mma.sync per block (Q4_K: sub-block) and 16 rows, operands in the lanes' registers
         # (matvec_mma.py): not timed yet
-        if type_id == Q4_K:
-            return q4_k_lanes_kernel, {"W": params["num_warps"]}
+        if type_id in (Q4_K, Q6_K):
+            return q4_k_lanes_kernel if type_id == Q4_K else q6_k_lanes_kernel, {"W": params["num_warps"]}
         return legacy_lanes_kernel, {**type_args, "W": params["num_warps"]}
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
@@ -882,8 +876,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
     takes the pieces kernel, whose loads go along the rows the same way; else the groups kernel, where
     stage 1 (M = 1) loads the tile's activations in contiguous runs, redistributed through shared memory.
-    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, Q8_0,
-    Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync per block (Q4_K: sub-block) and 16 rows with each
+    mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, Q6_K,
+    Q8_0, Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync per block (Q4_K: sub-block) and 16 rows with each
     lane's operands loaded in place (matvec_mma.py; block_n 16 x num_warps x the 16-row groups a warp
     takes; the 32-element types' nb a power of two >= 2); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
@@ -902,11 +896,11 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     if mma == 2:
         lanes_rows = 16 * plan.params["num_warps"]
-        if w.type_id not in LANES or plan.params["block_n"] % lanes_rows:
-            raise ValueError(f"mma 2 takes Q4_K, Q8_0, Q4_0, IQ4_NL and MXFP4, with block_n a multiple of 16 x "
-                             f"num_warps ({lanes_rows}); got {w.type_name}, block_n {plan.params['block_n']}")
+        if plan.params["block_n"] % lanes_rows:
+            raise ValueError(f"mma 2 takes block_n a multiple of 16 x num_warps ({lanes_rows}); got "
+                             f"{plan.params['block_n']}")
         tile = plan.per_tile
-        if w.type_id != Q4_K and (tile < 2 or tile & (tile - 1) or K // 32 % 2):
+        if w.type_id not in (Q4_K, Q6_K) and (tile < 2 or tile & (tile - 1) or K // 32 % 2):
             raise ValueError(f"mma 2 loads a tile's scales 8 bytes at a time: nb a power of two >= 2 and K a "
                              f"multiple of 64; got nb {tile}, K {K}")
         if dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device):

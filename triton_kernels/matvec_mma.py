@@ -47,7 +47,7 @@ import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import store_split
-from vegaserve.triton_kernels.int8_ops import lookup16
+from vegaserve.triton_kernels.int8_ops import lookup16, minus_32
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 @triton.jit
@@ -96,6 +96,25 @@ def mma_16x8x32(a0, a1, a2, a3, b0, b1, W: tl.constexpr, DOT: tl.constexpr):
         bt = _fragment_rows(b0, b1, W)[:, None, :, :]  # [W, 1, column, k]
         top = tl.sum(_fragment_rows(a0, a2, W)[:, :, None, :] * bt, axis=3)  # rows g: [W, g, column]
         bottom = tl.sum(_fragment_rows(a1, a3, W)[:, :, None, :] * bt, axis=3)  # rows g + 8
+        d0, d1 = _result_lanes(top, W)
+        d2, d3 = _result_lanes(bottom, W)
+        return d0, d1, d2, d3
+
+
+@triton.jit
+def mma_16x8x16(a0, a1, b0, W: tl.constexpr, DOT: tl.constexpr):
+    """m16n8k16 (int8): A's a0 row g, k 4t..4t+3 and a1 row g + 8; B's b0 column g, k 4t..; D as
+    mma_16x8x32's. DOT 1: the instruction; 0: its emulation."""
+    if DOT == 1:
+        zero = tl.zeros_like(a0)
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, {$7, $8, $9, $10};",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, b0, zero, zero, zero, zero],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        bt = tl.reshape(_bytes(b0), [W, 8, 16])[:, None, :, :]
+        top = tl.sum(tl.reshape(_bytes(a0), [W, 8, 16])[:, :, None, :] * bt, axis=3)
+        bottom = tl.sum(tl.reshape(_bytes(a1), [W, 8, 16])[:, :, None, :] * bt, axis=3)
         d0, d1 = _result_lanes(top, W)
         d2, d3 = _result_lanes(bottom, W)
         return d0, d1, d2, d3
@@ -446,4 +465,137 @@ def legacy_lanes_kernel(
         if CARRY:
             tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
+    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
+
+
+@triton.jit
+def _q6_k_rows_tile(qlp, qhp, sp, dp):
+    """One lane's loads of a Q6_K super-block for one row: the ql words at 64h + 32p + 16u + 4t (index
+    4h + 2p + u), the qh words at 32h + 16u + 4t (2h + u), the 16 scale bytes (4 words) and d."""
+    ql = ()
+    for i in tl.static_range(8):
+        ql = ql + (tl.load((qlp + 64 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
+    qh = ()
+    for i in tl.static_range(4):
+        qh = qh + (tl.load((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return ql, qh, _byte_words(sp, 16), d
+
+
+@triton.jit
+def _q6_k_tile(qlp, qhp, sp, dp, R: tl.constexpr):
+    tile = ()
+    for j in tl.static_range(2 * R):
+        tile = tile + (_q6_k_rows_tile(qlp[j], qhp[j], sp[j], dp[j]),)
+    return tile
+
+
+@triton.jit
+def _q6_k_codes(ql, qh, h: tl.constexpr, j: tl.constexpr, u: tl.constexpr):
+    """The signed codes (q - 32) of sub-block (h, j, u) in a lane's word: element 128h + 32j + 16u + 4t + i
+    at byte i, from ql's nibble j // 2 of its word (h, j % 2, u) and qh's bits 2j, 2j + 1."""
+    low = (ql[4 * h + 2 * (j % 2) + u] >> (4 * (j // 2))) & 0x0F0F0F0F
+    high = ((qh[2 * h + u] >> (2 * j)) & 0x03030303) << 4
+    return minus_32(low | high)
+
+
+@triton.jit
+def _q6_k_scale(words, i: tl.constexpr):
+    """Scale byte i (sub-block i = 8h + 2j + u), sign-extended, int32."""
+    return (words[i // 4] << (24 - 8 * (i % 4))) >> 24
+
+
+@triton.jit
+def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    """A Q6_K super-block's products for the lane's R groups (acc as _q4_k_products'): one m16n8k16 per
+    16-element sub-block; the two sub-blocks of a q8_1 block (u = 0, 1) combined in int32 with their
+    scales, then scaled by d dx once."""
+    dx0 = _f32_run(dxp[0], clive[0], 8)
+    dx1 = _f32_run(dxp[1], clive[1], 8)
+    new = acc
+    for hj in tl.static_range(8):  # q8_1 block 4h + j of the super-block
+        xs = ()
+        for u in tl.static_range(2):
+            xs = xs + (tl.load((xp + 32 * hj + 16 * u).to(tl.pointer_type(tl.int32)), mask=xlive, other=0),)
+        out = ()
+        for r in tl.static_range(R):
+            top_ql, top_qh, top_s, top_d = tile[2 * r]
+            bot_ql, bot_qh, bot_s, bot_d = tile[2 * r + 1]
+            v0 = tl.zeros_like(xs[0])
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            for u in tl.static_range(2):
+                d0, d1, d2, d3 = mma_16x8x16(_q6_k_codes(top_ql, top_qh, hj // 4, hj % 4, u),
+                                             _q6_k_codes(bot_ql, bot_qh, hj // 4, hj % 4, u), xs[u], W, DOT)
+                st = _q6_k_scale(top_s, 8 * (hj // 4) + 2 * (hj % 4) + u)
+                sb = _q6_k_scale(bot_s, 8 * (hj // 4) + 2 * (hj % 4) + u)
+                v0 += d0 * st
+                v1 += d1 * st
+                v2 += d2 * sb
+                v3 += d3 * sb
+            out = out + (_scaled(new[r], v0, v1, v2, v3, dx0[hj], dx1[hj], top_d, bot_d),)
+        new = out
+    return new
+
+
+@triton.jit
+def q6_k_lanes_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
+    N, K, blocks_per_split,  # super-blocks of 256
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr,
+):
+    """Q6_K, 1..8 rows of x, one m16n8k16 per 16-element sub-block and 16 rows (its scales are per 16):
+    lane t's A words are elements 16u + 4t.. of a sub-block (k 4t..: the instruction's own numbering),
+    4 bytes of ql and of qh each, and its B word x's 4 elements there. One super-block an iteration;
+    BLOCK_N = 16 W R as q4_k_lanes_kernel."""
+    pdl.let_next_start(PDL)
+    R: tl.constexpr = BLOCK_N // (16 * W)
+    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 256, BLOCK_N, W)
+    qlp = ()
+    qhp = ()
+    sp = ()
+    dp = ()
+    for j in tl.static_range(2 * R):
+        qlp = qlp + (base + o0 + r64[j] * r0 + first * b0 + 4 * t,)
+        qhp = qhp + (base + o1 + r64[j] * r1 + first * b1 + 4 * t,)
+        sp = sp + (base + o2 + r64[j] * r2 + first * b2,)
+        dp = dp + (base + o3 + r64[j] * r3 + first * b3,)
+    xlive = g < M
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 256 + 4 * t
+    clive = (cols[0] < M, cols[1] < M)
+    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
+           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
+    acc = _zero_acc(R, W)
+    if CARRY:
+        tile = _q6_k_tile(qlp, qhp, sp, dp, R)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q6_k_tile(qlp, qhp, sp, dp, R)
+        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
+        more = it + 1 < n_iter
+        keep = 1
+        if CARRY:  # after the last super-block the extra loads read it again instead of past the split
+            keep = tl.where(more, 1, 0)
+        qlp_next = ()
+        qhp_next = ()
+        sp_next = ()
+        dp_next = ()
+        for j in tl.static_range(2 * R):
+            qlp_next = qlp_next + (qlp[j] + keep * b0,)
+            qhp_next = qhp_next + (qhp[j] + keep * b1,)
+            sp_next = sp_next + (sp[j] + keep * b2,)
+            dp_next = dp_next + (dp[j] + keep * b3,)
+        qlp = qlp_next
+        qhp = qhp_next
+        sp = sp_next
+        dp = dp_next
+        acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
+        xp += 256
+        dxp = (dxp[0] + 8, dxp[1] + 8)
+        if CARRY:
+            tile = _q6_k_tile(qlp, qhp, sp, dp, R)  # the next super-block's loads
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no super-block
     _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)

@@ -164,14 +164,15 @@ def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
     _matches_the_reference("Q4_K", 37, 1024, (2, 3, 8), 16, block_n=16, nb=8, split_k=split_k, num_warps=4, mma=1)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"])
 @pytest.mark.parametrize("block_n, num_warps, nb, split_k, carry",
                          [(16, 1, 2, 1, 1), (32, 1, 4, 2, 0), (64, 2, 8, 1, 1), (64, 4, 4, 2, 1)],
                          ids=["one-group", "two-groups-split", "two-warps", "four-warps-split"])
 def test_lanes_kernels_match_the_reference(name, block_n, num_warps, nb, split_k, carry):
-    """mma 2: one m16n8k32 per block (Q4_K: sub-block) and 16 rows, each lane's A, B and D words where the
-    instruction's fragment puts them (under the interpreter its emulation regathers the matrices from
-    those words, so a word in the wrong lane or register is a wrong product here): the reference's
+    """mma 2: one m16n8k32 per block (Q4_K: sub-block; Q6_K an m16n8k16 per 16) and 16 rows, each lane's
+    A, B and D words where the instruction's fragment puts them (under the interpreter its emulation
+    regathers the matrices from those words, so a word in the wrong lane or register is a wrong product
+    here): the reference's
     product at 1, 2, 3 and 8 rows of x (columns of B past M zero), odd N (rows past N clamped and not
     stored), 1 and 2 groups of 16 rows a warp, 1, 2 and 4 warps, 2 to 8 blocks a tile, split-K."""
     _matches_the_reference(name, 37, 1024, (1, 2, 3, 8), 22, block_n=block_n, nb=nb, split_k=split_k,
@@ -186,8 +187,6 @@ def test_lanes_kernels_refuse_what_their_loads_cannot_take():
 
     with pytest.raises(ValueError, match="multiple of 16 x num_warps"):
         matvec_int8(torch.randn(2, 256), weight("Q4_K", 16, 256), block_n=32, nb=8, num_warps=4, mma=2)
-    with pytest.raises(ValueError, match="mma 2 takes Q4_K, Q8_0"):
-        matvec_int8(torch.randn(2, 256), weight("Q6_K", 16, 256), block_n=16, nb=8, num_warps=1, mma=2)
     with pytest.raises(ValueError, match="nb a power of two >= 2"):
         matvec_int8(torch.randn(2, 256), weight("Q8_0", 16, 256), block_n=16, nb=1, num_warps=1, mma=2)
     with pytest.raises(ValueError, match="K a multiple of 64"):
@@ -214,18 +213,15 @@ def test_sweep_times_both_k_quant_kernels_at_one_row_and_the_groups_kernel_above
     assert not any(c.get("pieces") for c in candidates(tid, 28672, 4096, 8, 132))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"])
 @pytest.mark.parametrize("n, k", [(28672, 4096), (4096, 14336), (1024, 4096)])
 def test_sweep_has_lanes_configs_only_where_there_are_matrix_units(name, n, k):
-    """mma 2 only with matrix_units and for its types; each config one the launcher takes (block_n a
+    """mma 2 only with matrix_units; each config one the launcher takes (block_n a
     multiple of 16 x num_warps, nb a power of two, a split of two tiles or more) and enough programs for
     two an SM where the row's tiles allow it."""
     tid = IDS[name]
     assert not any(c.get("mma") for c in candidates(tid, n, k, 8, 132))
     lanes = [c for c in candidates(tid, n, k, 8, 132, matrix_units=True) if c.get("mma") == 2]
-    if name == "Q6_K":
-        assert not lanes
-        return
     assert {c["num_warps"] for c in lanes} == {4, 8} and {c["block_n"] for c in lanes} == {64, 128}
     qk = GGML_TYPES[tid].block_size
     for c in lanes:

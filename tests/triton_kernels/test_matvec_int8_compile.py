@@ -40,6 +40,7 @@ kernels = {
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
     kernels["Q4_K_lanes"] = (mv.q4_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
+    kernels["Q6_K_lanes"] = (mv.q6_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
     for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
                                      ("MXFP4", 4, 2, True)):
         kernels[name + "_lanes"] = (mv.legacy_lanes_kernel, dict(M=8, BLOCK_N=64, NB=4, W=4, WORDS=words,
@@ -50,7 +51,8 @@ for name, (fn, consts) in kernels.items():
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
     found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32", "mma_async.sync.aligned.m64n16k32.s32.s8.s8",
-                             "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") if ins in asm]
+                             "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32",
+                             "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32") if ins in asm]
     print(name, " ".join(found))
 print("compiled")
 """
@@ -61,6 +63,7 @@ WANT = {  # type -> instructions its kernel must contain, per backend
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
              "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
              "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
+             "Q6_K_lanes": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
              "Q8_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q4_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "IQ4_NL_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"},
@@ -80,7 +83,7 @@ def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(back
         assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
     if backend == "cuda":  # matrix units, no dp4a: Hopper's warpgroup MMA (tl.dot), mma.sync (the lanes kernels)
-        for name in ("Q4_K_mma", "Q4_K_lanes", "Q8_0_lanes", "Q4_0_lanes", "IQ4_NL_lanes", "MXFP4_lanes"):
+        for name in ("Q4_K_mma", "Q4_K_lanes", "Q6_K_lanes", "Q8_0_lanes", "Q4_0_lanes", "IQ4_NL_lanes", "MXFP4_lanes"):
             assert "dp4a.s32.s32" not in found[name], name
 
 
@@ -141,7 +144,7 @@ from vegaserve.triton_kernels import matvec_int8 as mv
 
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
          "out_ptr": "*fp32", "count_ptr": "*i32"}
-cases = [("Q4_K", mv.q4_k_lanes_kernel, {}, 1, 8)] + [
+cases = [("Q4_K", mv.q4_k_lanes_kernel, {}, 1, 8), ("Q6_K", mv.q6_k_lanes_kernel, {}, 1, 16)] + [
     (name, mv.legacy_lanes_kernel, dict(WORDS=words, TABLE=table, E8M0=e8m0), 4, 4)
     for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
                                      ("MXFP4", 4, 2, True))]
@@ -158,7 +161,7 @@ for (name, fn, type_args, nb, mma_per_tile), (warps, block_n, split) in [(c, r) 
     key = f"{name} {warps} {block_n} {split}"
     print(key, "layouts", len(layouts), "|".join(layouts))
     print(key, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
-    print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k32") // mma_per_tile)
+    print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k") // mma_per_tile)
 print("compiled")
 """
 
@@ -167,8 +170,8 @@ def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compil
     """The lanes kernels (matvec_mma.py) are correct only if each [32 W] tensor keeps Triton's
     one-value-a-lane layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked
     layout in the whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no
-    shared memory (the tl.dot kernel's cost), and one mma a block (Q4_K: 8 a super-block) for each of the
-    warp's 16-row groups, for every type."""
+    shared memory (the tl.dot kernel's cost), and one mma a block (Q4_K: 8 a super-block, Q6_K 16) for
+    each of the warp's 16-row groups, for every type."""
     out = offline_compile(LANES, "cuda", "90", 32)
     lines = [line.split(maxsplit=5) for line in out.splitlines() if line != "compiled"]
     seen = set()
@@ -184,4 +187,4 @@ def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compil
         else:
             groups = int(block_n) // (16 * int(warps))
             assert int(rest) == groups, (name, warps, block_n, rest)
-    assert len(seen) == 15
+    assert len(seen) == 18
