@@ -6,9 +6,11 @@ importable: the same script times two trees in one call (PYTHONPATH), a change a
 
     python benchmarks/matvec_engine.py [--shapes Q4_K:28672x4096,...] [--ms 1,8] [--label NAME] [--json out.json]
         [--extra '{"block_n": 32};{"pieces": 1}']   (variants: launch parameters over the tuning file's)
+        [--lanes]   (and each shape's lanes-kernel configs, matvec_int8.lanes_candidates: mma 2)
 
 Each result is checked against the product on the dequantized q8_1 activation (relative error < 1e-4)
-before it is timed. % = weight bytes per second against the copy bandwidth measured in the same run.
+before it is timed (the tuning file's own config must pass; a variant that does not is reported and not
+timed). % = weight bytes per second against the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack
-from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
+from vegaserve.triton_kernels.matvec_int8 import LANES, lanes_candidates, matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.timing import bench_graph, copies_for
 
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--extra", default=None,
                     help="variants: launch parameters over the tuning file's, JSON objects separated by ';' "
                          "(each timed on the same weights; {} is the tuning file's own)")
+    ap.add_argument("--lanes", action="store_true", help="also each shape's lanes-kernel configs (mma 2)")
     args = ap.parse_args()
     variants = [json.loads(v) for v in args.extra.split(";")] if args.extra else [{}]
     bw = copy_bandwidth()
@@ -58,14 +61,21 @@ def main() -> None:
         dense = dequantize(raw.reshape(-1), tid, (n, k))
         w = repack(raw, tid, n, k)
         rotation = [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(copies_for(raw.numel()) - 1)]
-        for m, extra in ((int(v), e) for v in args.ms.split(",") for e in variants):
+        shape_variants = variants
+        if args.lanes and tid in LANES:
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            shape_variants = variants + lanes_candidates(tid, n, k, sms)
+        for m, extra in ((int(v), e) for v in args.ms.split(",") for e in shape_variants):
             x = torch.randn(m, k, device="cuda")
             q8 = quantize_q8_1(x)
             xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
             ref = xd @ dense.T
             err = float((matvec_int8(x, w, q8_1=q8, **extra) - ref).norm() / ref.norm())
             if not err < 1e-4:
-                raise SystemExit(f"{name} {shape} M={m} {extra}: relative error {err:.2e}")
+                if not extra:
+                    raise SystemExit(f"{name} {shape} M={m} (tuning file): relative error {err:.2e}")
+                print(f"| {name} | {shape} | {m} | {json.dumps(extra)} | relative error {err:.2e}, not timed |||||")
+                continue
             t = bench_graph([lambda wi=wi: matvec_int8(x, wi, q8_1=q8, **extra) for wi in rotation])
             t_q = bench_graph([lambda: quantize_q8_1(x)] * len(rotation))
             # one copy read again and again: from L2 where it fits (60 MB on an H200), the rate the kernel

@@ -179,7 +179,7 @@ def _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M: tl.constexpr,
     live = ()
     for j in tl.static_range(R):
         for h in tl.static_range(2):
-            for cc in tl.static_range(2):
+            for cc in tl.static_range(min(M, 2)):  # at M = 1 no lane's 2t + 1 is a row of y: its sums are dead code
                 values = values + (acc[j][2 * h + cc],)
                 index = index + (cols[cc] * N + rows[2 * j + h],)
                 live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
