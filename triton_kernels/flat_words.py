@@ -226,3 +226,15 @@ def q4_k_scale_pairs(sp):
     (bytes 0 and 1, six bits each): sp points at scale byte 2j of each group."""
     a, b, c = q4_k_scale_words(sp)
     return q4_k_scale_decode(a, b, c)
+
+
+@triton.jit
+def q4_k_scale_min(a, b, c, s: tl.constexpr):
+    """Q4_K's six-bit scale and min of sub-block s (0..7), int32, from its 12 scale bytes as the words a, b,
+    c (bytes 0-3, 4-7, 8-11): sub-blocks 0-3 the low six bits of bytes s and s + 4; 4-7 a nibble of byte
+    s + 4 with the top two bits of bytes s - 4 and s."""
+    if s < 4:
+        return (a >> (8 * s)) & 63, (b >> (8 * s)) & 63
+    else:
+        return (((c >> (8 * (s - 4))) & 15) | (((a >> (8 * (s - 4) + 6)) & 3) << 4),
+                ((c >> (8 * (s - 4) + 4)) & 15) | (((b >> (8 * (s - 4) + 6)) & 3) << 4))

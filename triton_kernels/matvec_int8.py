@@ -51,6 +51,7 @@ from vegaserve.triton_kernels.flat_words import (
     row_runs,
     q4_k_groups,
     q4_k_scale_decode,
+    q4_k_scale_min,
     q4_k_scale_words,
     q6_k_groups,
     q6_k_scales,
@@ -63,7 +64,7 @@ from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_flat import plan_launch
-from vegaserve.triton_kernels.matvec_mma import legacy_lanes_kernel, q4_k_lanes_kernel, q6_k_lanes_kernel
+from vegaserve.triton_kernels.matvec_mma import BLOCK_LANES, Q4_K_LANES, Q6_K_LANES, lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
@@ -580,12 +581,7 @@ def _q4_k_mma_kernel(
         d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         for s in tl.static_range(8):
-            if s < 4:
-                sc = (a >> (8 * s)) & 63
-                mn = (b >> (8 * s)) & 63
-            else:
-                sc = ((c >> (8 * (s - 4))) & 15) | (((a >> (8 * (s - 4) + 6)) & 3) << 4)
-                mn = ((c >> (8 * (s - 4) + 4)) & 15) | (((b >> (8 * (s - 4) + 6)) & 3) << 4)
+            sc, mn = q4_k_scale_min(a, b, c, s)
             prod = tl.dot(w_s[s], x_s[s], out_dtype=tl.int32)
             acc += (prod.to(tl.float32) * (d * sc.to(tl.float32)) * dx_s[s][None, :]
                     - (dmin * mn.to(tl.float32)) * sx_s[s][None, :])
@@ -842,9 +838,9 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     if params.get("mma", 0) == 2 and type_id in LANES:
         # one mma.sync per block (Q4_K: sub-block) and 16 rows, operands in the lanes' registers
         # (matvec_mma.py): not timed yet
-        if type_id in (Q4_K, Q6_K):
-            return q4_k_lanes_kernel if type_id == Q4_K else q6_k_lanes_kernel, {"W": params["num_warps"]}
-        return legacy_lanes_kernel, {**type_args, "W": params["num_warps"]}
+        kind = {Q4_K: Q4_K_LANES, Q6_K: Q6_K_LANES}.get(type_id, BLOCK_LANES)
+        return lanes_kernel, {"WORDS": 4, "TABLE": 0, "E8M0": False, **type_args, "W": params["num_warps"],
+                              "KIND": kind}
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}

@@ -1,6 +1,7 @@
 """Decode mat-vec for 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
-operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W Q4_K (q4_k_lanes_kernel)
-or a 32-element type with one scale a block, Q8_0, Q4_0, IQ4_NL or MXFP4 (legacy_lanes_kernel).
+operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W Q4_K, Q6_K or a 32-element
+type with one scale a block, Q8_0, Q4_0, IQ4_NL or MXFP4 (lanes_kernel, one loop for all of them, with a
+type's loads and products beside it).
 
 Why lanes. At 8 rows of x the dp4a kernels of matvec_int8 issue about 8 dp4a and 2 activation loads per
 4 bytes of weight in every lane, which kept them at 2.4-3.2x their one-row time on the H200 (docs/PERF.md),
@@ -10,7 +11,8 @@ multiplies 16 weight rows by 32 elements of 8 activation rows, exactly the shape
 to 8 sequences; each lane holds 4 words of A (16 int8 of 2 rows), 2 of B (8 int8 of 1 row of x) and gets
 4 int32 of the result. Here every tensor is one value per lane (`lanes`: [32 W], lane i % 32 of warp
 i // 32), so the code says what each lane loads and which register it passes: no layout conversion, no
-shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block) of 16 rows.
+shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block; Q6_K, whose scales are
+per 16 elements: an m16n8k16 per sub-block) of 16 rows.
 
 The fragment of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32"), lane = 4 g + t:
   A (16 x 32, row): a0 row g, k 4t..4t+3 (a byte each); a1 row g + 8, same k; a2 row g, k 16+4t..16+4t+3;
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.flat_words import store_split
+from vegaserve.triton_kernels.flat_words import q4_k_scale_min, store_split
 from vegaserve.triton_kernels.int8_ops import lookup16, minus_32
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
@@ -205,7 +207,7 @@ def _scaled(acc, d0, d1, d2, d3, u0, u1, s_top, s_bottom):
 
 
 @triton.jit
-def _q4_k_rows_tile(qp, hp):
+def _q4_k_rows_tile(hp, qp):
     """One lane's loads of a super-block for one row: bytes 8t..8t+7 of each 32-byte chunk (int64 x 4) and
     the row's 16-byte head record (int64 x 2: d and dmin, scale words a; b, c)."""
     q = tl.load(qp.to(tl.pointer_type(tl.int64)))
@@ -218,25 +220,11 @@ def _q4_k_rows_tile(qp, hp):
 
 
 @triton.jit
-def _q4_k_tile(qp, hp, R: tl.constexpr):
-    """The loads of a super-block for each of the lane's R groups, rows g (top) then g + 8."""
-    tile = ()
-    for j in tl.static_range(2 * R):
-        tile = tile + (_q4_k_rows_tile(qp[j], hp[j]),)
-    return tile
-
-
-@triton.jit
 def _q4_k_scales(h0, h1, s: tl.constexpr):
     """d sc[s] and dmin m[s] of sub-block s of a row's head record, f32."""
     dm, a = _halves(h0)
     b, c = _halves(h1)
-    if s < 4:
-        sc = (a >> (8 * s)) & 63
-        mn = (b >> (8 * s)) & 63
-    else:
-        sc = ((c >> (8 * (s - 4))) & 15) | (((a >> (8 * (s - 4) + 6)) & 3) << 4)
-        mn = ((c >> (8 * (s - 4) + 4)) & 15) | (((b >> (8 * (s - 4) + 6)) & 3) << 4)
+    sc, mn = q4_k_scale_min(a, b, c, s)
     d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
@@ -273,75 +261,16 @@ def _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl
 
 
 @triton.jit
-def q4_k_lanes_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head record), qs
-    N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr,
-):
-    """Q4_K, 1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp), one
-    super-block an iteration (the launch's NB is not used; DOT 1: the mma instruction, 0 its emulation).
-    CARRY 1: the next super-block's weight loads are issued before this one's products."""
-    pdl.let_next_start(PDL)
-    R: tl.constexpr = BLOCK_N // (16 * W)
-    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 256, BLOCK_N, W)
-    qp = ()
-    hp = ()
-    for j in tl.static_range(2 * R):
-        qp = qp + (base + o2 + r64[j] * r2 + first * b2 + 8 * t,)
-        hp = hp + (base + o0 + r64[j] * r0 + first * b0,)
-    xlive = g < M
-    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 256 + 8 * t
-    clive = (cols[0] < M, cols[1] < M)
-    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
-           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
-    sxp = (sx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
-           sx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
-    acc = _zero_acc(R, W)
-    if CARRY:
-        tile = _q4_k_tile(qp, hp, R)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _q4_k_tile(qp, hp, R)
-        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
-        more = it + 1 < n_iter
-        step_q = b2
-        step_h = b0
-        if CARRY:  # after the last super-block the extra loads read it again instead of past the split
-            step_q = tl.where(more, b2, 0)
-            step_h = tl.where(more, b0, 0)
-        qp_next = ()
-        hp_next = ()
-        for j in tl.static_range(2 * R):
-            qp_next = qp_next + (qp[j] + step_q,)
-            hp_next = hp_next + (hp[j] + step_h,)
-        qp = qp_next
-        hp = hp_next
-        acc = _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, DOT)
-        xp += 256
-        dxp = (dxp[0] + 8, dxp[1] + 8)
-        sxp = (sxp[0] + 8, sxp[1] + 8)
-        if CARRY:
-            tile = _q4_k_tile(qp, hp, R)  # the next super-block's loads
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no super-block
-    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
-
-
-@triton.jit
-def _legacy_tile(qp, dp, R: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
-    """One lane's loads of NB blocks for each of its 2R rows: the quant bytes (WORDS 8: 8 bytes at 8t of each
-    block's 32; 4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow."""
-    tile = ()
-    for j in tl.static_range(2 * R):
-        q = ()
-        for b in tl.static_range(NB):
-            if WORDS == 8:
-                q = q + (tl.load((qp[j] + 32 * b).to(tl.pointer_type(tl.int64))),)
-            else:
-                q = q + (tl.load((qp[j] + 16 * b).to(tl.pointer_type(tl.int32))),)
-        tile = tile + ((q, _byte_words(dp[j], NB * (1 if E8M0 else 2))),)
-    return tile
+def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
+    """One lane's loads of NB blocks of one row: the quant bytes (WORDS 8: 8 bytes at 8t of each block's 32;
+    4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow."""
+    q = ()
+    for b in tl.static_range(NB):
+        if WORDS == 8:
+            q = q + (tl.load((qp + 32 * b).to(tl.pointer_type(tl.int64))),)
+        else:
+            q = q + (tl.load((qp + 16 * b).to(tl.pointer_type(tl.int32))),)
+    return q, _byte_words(dp, NB * (1 if E8M0 else 2))
 
 
 @triton.jit
@@ -408,67 +337,6 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
 
 
 @triton.jit
-def legacy_lanes_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d (MXFP4: e), qs
-    N, K, blocks_per_split,  # blocks of 32
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr,
-    E8M0: tl.constexpr,
-):
-    """The 32-element types with one scale a block, 1..8 rows of x, one m16n8k32 a block and 16 rows: Q8_0
-    (WORDS 8), Q4_0 (WORDS 4, TABLE 0), IQ4_NL and MXFP4 (their level TABLE 1 and 2; MXFP4's scale an
-    E8M0 byte). NB blocks an iteration (even; the scale plane's NB records and the q8_1 scales of the
-    tile are loaded 8 bytes at a time), BLOCK_N = 16 W R as q4_k_lanes_kernel. The repacked layout: the
-    scale plane's records are contiguous along a row."""
-    pdl.let_next_start(PDL)
-    R: tl.constexpr = BLOCK_N // (16 * W)
-    SIZE: tl.constexpr = 1 if E8M0 else 2
-    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 32, BLOCK_N, W)
-    n_iter = n_iter // NB
-    qp = ()
-    dp = ()
-    for j in tl.static_range(2 * R):
-        qp = qp + (base + o1 + r64[j] * r1 + first * b1 + (WORDS * t),)
-        dp = dp + (base + o0 + r64[j] * r0 + first * SIZE,)
-    xlive = g < M
-    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 32 + WORDS * t
-    clive = (cols[0] < M, cols[1] < M)
-    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first,
-           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first)
-    sxp = (sx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first,
-           sx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first)
-    acc = _zero_acc(R, W)
-    if CARRY:
-        tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)
-        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
-        more = it + 1 < n_iter
-        step_q = NB * b1
-        step_d = NB * SIZE
-        if CARRY:  # after the last tile the extra loads read it again instead of past the split
-            step_q = tl.where(more, NB * b1, 0)
-            step_d = tl.where(more, NB * SIZE, 0)
-        qp_next = ()
-        dp_next = ()
-        for j in tl.static_range(2 * R):
-            qp_next = qp_next + (qp[j] + step_q,)
-            dp_next = dp_next + (dp[j] + step_d,)
-        qp = qp_next
-        dp = dp_next
-        acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
-        xp += NB * 32
-        dxp = (dxp[0] + NB, dxp[1] + NB)
-        sxp = (sxp[0] + NB, sxp[1] + NB)
-        if CARRY:
-            tile = _legacy_tile(qp, dp, R, NB, WORDS, E8M0)  # the next tile's loads
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
-    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
-
-
-@triton.jit
 def _q6_k_rows_tile(qlp, qhp, sp, dp):
     """One lane's loads of a Q6_K super-block for one row: the ql words at 64h + 32p + 16u + 4t (index
     4h + 2p + u), the qh words at 32h + 16u + 4t (2h + u), the 16 scale bytes (4 words) and d."""
@@ -480,14 +348,6 @@ def _q6_k_rows_tile(qlp, qhp, sp, dp):
         qh = qh + (tl.load((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
     d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
     return ql, qh, _byte_words(sp, 16), d
-
-
-@triton.jit
-def _q6_k_tile(qlp, qhp, sp, dp, R: tl.constexpr):
-    tile = ()
-    for j in tl.static_range(2 * R):
-        tile = tile + (_q6_k_rows_tile(qlp[j], qhp[j], sp[j], dp[j]),)
-    return tile
 
 
 @triton.jit
@@ -539,63 +399,113 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
     return new
 
 
+Q4_K_LANES, Q6_K_LANES, BLOCK_LANES = 1, 2, 0  # lanes_kernel's KIND
+
+
 @triton.jit
-def q6_k_lanes_kernel(
+def _planes(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, r64, first, t, KIND: tl.constexpr,
+            WORDS: tl.constexpr, SIZE: tl.constexpr):
+    """A row's byte pointers to the planes a lane reads, at the split's first block: Q4_K the head record and
+    the quants at 8t of a chunk; Q6_K ql and qh at 4t, the scales and d; the 32-element types the scales
+    (SIZE bytes a block) and the quants at WORDS t."""
+    if KIND == 1:
+        return base + o0 + r64 * r0 + first * b0, base + o2 + r64 * r2 + first * b2 + 8 * t
+    elif KIND == 2:
+        return (base + o0 + r64 * r0 + first * b0 + 4 * t, base + o1 + r64 * r1 + first * b1 + 4 * t,
+                base + o2 + r64 * r2 + first * b2, base + o3 + r64 * r3 + first * b3)
+    else:
+        return base + o0 + r64 * r0 + first * SIZE, base + o1 + r64 * r1 + first * b1 + WORDS * t
+
+
+@triton.jit
+def _plane_steps(b0, b1, b2, b3, KIND: tl.constexpr, NB: tl.constexpr, SIZE: tl.constexpr):
+    """How far each of _planes' pointers moves from one tile to the next."""
+    if KIND == 1:
+        return b0, b2
+    elif KIND == 2:
+        return b0, b1, b2, b3
+    else:
+        return NB * SIZE, NB * b1
+
+
+@triton.jit
+def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
+    """The loads of one tile for each of the lane's 2R rows (group j: rows g + 16 j, then + 8)."""
+    tile = ()
+    for j in tl.static_range(2 * R):
+        p = ptrs[j]
+        if KIND == 1:
+            tile = tile + (_q4_k_rows_tile(p[0], p[1]),)
+        elif KIND == 2:
+            tile = tile + (_q6_k_rows_tile(p[0], p[1], p[2], p[3]),)
+        else:
+            tile = tile + (_legacy_rows_tile(p[0], p[1], NB, WORDS, E8M0),)
+    return tile
+
+
+@triton.jit
+def lanes_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
-    N, K, blocks_per_split,  # super-blocks of 256
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py) of the type
+    N, K, blocks_per_split,  # blocks of the type (super-blocks of 256 for the K-quants)
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
+    TABLE: tl.constexpr, E8M0: tl.constexpr,
 ):
-    """Q6_K, 1..8 rows of x, one m16n8k16 per 16-element sub-block and 16 rows (its scales are per 16):
-    lane t's A words are elements 16u + 4t.. of a sub-block (k 4t..: the instruction's own numbering),
-    4 bytes of ql and of qh each, and its B word x's 4 elements there. One super-block an iteration;
-    BLOCK_N = 16 W R as q4_k_lanes_kernel."""
+    """1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp). KIND 1:
+    Q4_K (fields dm, scales as one head record, qs), one super-block an iteration; 2: Q6_K (ql, qh,
+    scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
+    nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
+    DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
+    before this one's products."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
-    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // 256, BLOCK_N, W)
-    qlp = ()
-    qhp = ()
-    sp = ()
-    dp = ()
+    QK: tl.constexpr = 32 if KIND == 0 else 256
+    PER: tl.constexpr = NB * 32 if KIND == 0 else 256  # elements a tile
+    SIZE: tl.constexpr = 1 if E8M0 else 2
+    XLANE: tl.constexpr = 8 if KIND == 1 else (4 if KIND == 2 else WORDS)  # x bytes from a lane's 4t or 8t
+    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // QK, BLOCK_N, W)
+    n_iter = n_iter // (PER // QK)
+    ptrs = ()
     for j in tl.static_range(2 * R):
-        qlp = qlp + (base + o0 + r64[j] * r0 + first * b0 + 4 * t,)
-        qhp = qhp + (base + o1 + r64[j] * r1 + first * b1 + 4 * t,)
-        sp = sp + (base + o2 + r64[j] * r2 + first * b2,)
-        dp = dp + (base + o3 + r64[j] * r3 + first * b3,)
+        ptrs = ptrs + (_planes(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, r64[j], first, t, KIND,
+                               WORDS, SIZE),)
+    steps = _plane_steps(b0, b1, b2, b3, KIND, NB, SIZE)
     xlive = g < M
-    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * 256 + 4 * t
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * QK + XLANE * t
     clive = (cols[0] < M, cols[1] < M)
-    dxp = (dx_ptr + tl.minimum(cols[0], M - 1) * (K // 32) + first * 8,
-           dx_ptr + tl.minimum(cols[1], M - 1) * (K // 32) + first * 8)
+    v0 = tl.minimum(cols[0], M - 1) * (K // 32) + first * (QK // 32)
+    v1 = tl.minimum(cols[1], M - 1) * (K // 32) + first * (QK // 32)
+    dxp = (dx_ptr + v0, dx_ptr + v1)
+    sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = _zero_acc(R, W)
     if CARRY:
-        tile = _q6_k_tile(qlp, qhp, sp, dp, R)
+        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q6_k_tile(qlp, qhp, sp, dp, R)
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)
         pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
-        keep = 1
-        if CARRY:  # after the last super-block the extra loads read it again instead of past the split
-            keep = tl.where(more, 1, 0)
-        qlp_next = ()
-        qhp_next = ()
-        sp_next = ()
-        dp_next = ()
+        moved = ()
         for j in tl.static_range(2 * R):
-            qlp_next = qlp_next + (qlp[j] + keep * b0,)
-            qhp_next = qhp_next + (qhp[j] + keep * b1,)
-            sp_next = sp_next + (sp[j] + keep * b2,)
-            dp_next = dp_next + (dp[j] + keep * b3,)
-        qlp = qlp_next
-        qhp = qhp_next
-        sp = sp_next
-        dp = dp_next
-        acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
-        xp += 256
-        dxp = (dxp[0] + 8, dxp[1] + 8)
+            row = ()
+            for p in tl.static_range(len(steps)):
+                if CARRY:  # after the last tile the extra loads read it again instead of past the split
+                    row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
+                else:
+                    row = row + (ptrs[j][p] + steps[p],)
+            moved = moved + (row,)
+        ptrs = moved
+        if KIND == 1:
+            acc = _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, DOT)
+        elif KIND == 2:
+            acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
+        else:
+            acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+        xp += PER
+        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
+        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
         if CARRY:
-            tile = _q6_k_tile(qlp, qhp, sp, dp, R)  # the next super-block's loads
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no super-block
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)  # the next tile's loads
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)

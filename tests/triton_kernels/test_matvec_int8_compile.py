@@ -39,12 +39,9 @@ kernels = {
 }
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
-    kernels["Q4_K_lanes"] = (mv.q4_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
-    kernels["Q6_K_lanes"] = (mv.q6_k_lanes_kernel, dict(M=8, BLOCK_N=64, NB=1, W=4))
-    for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
-                                     ("MXFP4", 4, 2, True)):
-        kernels[name + "_lanes"] = (mv.legacy_lanes_kernel, dict(M=8, BLOCK_N=64, NB=4, W=4, WORDS=words,
-                                                                 TABLE=table, E8M0=e8m0))
+    for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"):
+        fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4})
+        kernels[name + "_lanes"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
 for name, (fn, consts) in kernels.items():
     consts = {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -144,13 +141,11 @@ from vegaserve.triton_kernels import matvec_int8 as mv
 
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
          "out_ptr": "*fp32", "count_ptr": "*i32"}
-cases = [("Q4_K", mv.q4_k_lanes_kernel, {}, 1, 8), ("Q6_K", mv.q6_k_lanes_kernel, {}, 1, 16)] + [
-    (name, mv.legacy_lanes_kernel, dict(WORDS=words, TABLE=table, E8M0=e8m0), 4, 4)
-    for name, words, table, e8m0 in (("Q8_0", 8, 0, False), ("Q4_0", 4, 0, False), ("IQ4_NL", 4, 1, False),
-                                     ("MXFP4", 4, 2, True))]
+mma_per_tile = {"Q4_K": 8, "Q6_K": 16, "Q8_0": 4, "Q4_0": 4, "IQ4_NL": 4, "MXFP4": 4}  # at NB 4
 runs = [(4, 64, 1), (4, 128, 2), (8, 128, 1)]
-for (name, fn, type_args, nb, mma_per_tile), (warps, block_n, split) in [(c, r) for c in cases for r in runs]:
-    consts = dict(M=8, BLOCK_N=block_n, NB=nb, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, W=warps, **type_args)
+for name, (warps, block_n, split) in [(n, r) for n in mma_per_tile for r in runs]:
+    fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": warps})
+    consts = dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, **type_args)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n in types or re.fullmatch(r"[or]\d|N|K", n)}
@@ -161,7 +156,7 @@ for (name, fn, type_args, nb, mma_per_tile), (warps, block_n, split) in [(c, r) 
     key = f"{name} {warps} {block_n} {split}"
     print(key, "layouts", len(layouts), "|".join(layouts))
     print(key, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
-    print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k") // mma_per_tile)
+    print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k") // mma_per_tile[name])
 print("compiled")
 """
 
