@@ -2,7 +2,8 @@
 
 For each weight type, shape class (one representative shape each) and row count: the tile kernel's
 candidates (matmul.matvec), and for the types with an int8-dot kernel (matvec_int8.py) the word-tile
-rule's candidates, its time counted with the q8_1 quantize launch it needs. Every
+rule's candidates (on NVIDIA sm_80+ also the lanes kernels', matvec_mma.py), its time counted with the
+q8_1 quantize launch it needs. Every
 candidate's result is checked first (against the f32 product of the reference dequantizer, or for int8
 against the product on the dequantized q8_1 activation): one off by more than 1e-4 is discarded, since a
 miscompile must never win on speed. Times are graph replays over rotating weight copies (timing.py), as
