@@ -86,10 +86,10 @@ def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexp
         return lo, hi
     idx = q & 0x77777777
     sel = ((q >> 1) & 0x44444444) | 0x32103210  # nibble k: k % 4, + 4 where nibble k of q has bit 3
-    x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel & 0xFFFF, 4, DOT)
-    idx_hi = (idx >> 16) & 0xFFFF
-    x1 = byte_permute(byte_permute(t0, t1, idx_hi, 4, DOT), byte_permute(t2, t3, idx_hi, 4, DOT),
-                      (sel >> 16) & 0xFFFF, 4, DOT)
+    # a nibble-selector permute reads the low 16 bits of its selector only: no masks for the high halves
+    x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel, 4, DOT)
+    x1 = byte_permute(byte_permute(t0, t1, idx >> 16, 4, DOT), byte_permute(t2, t3, idx >> 16, 4, DOT),
+                      sel >> 16, 4, DOT)
     return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
 
 
