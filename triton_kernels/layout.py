@@ -115,6 +115,12 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
     return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
 
 
+def plane_fields(type_name: str) -> list[tuple[tuple[str, ...], int]]:
+    """The repacked planes of a type as (the names of the fields in a record, the record's bytes a block)."""
+    names = {off: name for name, off, _ in FIELDS[type_name]}
+    return [(tuple(names[o] for o in members), size) for _, size, members in _planes(type_name)]
+
+
 def _planes(type_name: str) -> list[tuple[int, int, tuple[int, ...]]]:
     """The repacked planes of a type, in field order: (offset in the block, record size, offsets of the
     fields in it). The fields of a plane are neighbours in the block (HEAD)."""
