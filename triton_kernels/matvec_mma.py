@@ -14,14 +14,9 @@ i // 32), so the code says what each lane loads and which register it passes: no
 shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block; Q6_K, whose scales are
 per 16 elements: an m16n8k16 per sub-block) of 16 rows.
 
-The fragment of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32"), lane = 4 g + t:
-  A (16 x 32, row): a0 row g, k 4t..4t+3 (a byte each); a1 row g + 8, same k; a2 row g, k 16+4t..16+4t+3;
-     a3 row g + 8, k 16+4t..
-  B (32 x 8, col): b0 column g, k 4t..4t+3; b1 column g, k 16+4t..
-  D (16 x 8): d0 (g, 2t), d1 (g, 2t + 1), d2 (g + 8, 2t), d3 (g + 8, 2t + 1).
-A sum over k does not care how k is numbered as long as A and B agree, so k 4t+i stands for element 8t+i
-of the sub-block and k 16+4t+i for element 8t+4+i: lane t's 8 bytes of A (a row's bytes 8t..8t+7 of a
-32-byte Q4_K chunk) and its 8 bytes of B (x's elements 8t..8t+7 of the sub-block) are each one 8-byte load.
+Q4_K: k 4t+i stands for element 8t+i of the sub-block and k 16+4t+i for element 8t+4+i (mma_lanes.py: any
+numbering A and B agree on), so lane t's 8 bytes of A (a row's bytes 8t..8t+7 of a 32-byte chunk) and its
+8 bytes of B (x's elements 8t..8t+7 of the sub-block) are each one 8-byte load.
 A chunk's low nibbles are sub-block 2c and its high nibbles sub-block 2c + 1, so one load of 8 bytes of a
 row gives that row's A words of both sub-blocks, one mask (and one shift) each.
 
@@ -36,10 +31,8 @@ B words are x's elements 4t.. and 16+4t.. (two 4-byte loads); Q4_0 as unsigned c
 through the q8_1 sums, IQ4_NL and MXFP4 through int8_ops.lookup16. Their scales: a tile's NB records of
 a row in 8-byte loads.
 
-Under the interpreter (DOT 0) the matrix instruction is emulated from the same per-lane registers
-(the lanes' words regathered into the 16 x 32 and 32 x 8 matrices), so the tests check the fragment
-bookkeeping above, not only the arithmetic. sm_80 and later; no AMD part (gfx906 has no matrix units).
-Torch reference: matvec_int8.reference_matvec_q8_1.
+The fragments and the lanes' bookkeeping: mma_lanes.py. sm_80 and later; no AMD part (gfx906 has no
+matrix units). Torch reference: matvec_int8.reference_matvec_q8_1.
 """
 
 from __future__ import annotations
@@ -48,163 +41,20 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.flat_words import q4_k_scale_min, store_split
+from vegaserve.triton_kernels.flat_words import q4_k_scale_min
 from vegaserve.triton_kernels.int8_ops import lookup16, minus_32
+from vegaserve.triton_kernels.mma_lanes import (
+    byte_words,
+    f32_run,
+    halves,
+    lane_program,
+    mma_16x8x16,
+    mma_16x8x32,
+    scaled,
+    store_lanes,
+    zero_acc,
+)
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
-
-@triton.jit
-def lanes(W: tl.constexpr):
-    """warp, g (lane // 4) and t (lane % 4) of each lane of the program's W warps, [32 W] each."""
-    i = tl.arange(0, 32 * W)
-    return i // 32, (i % 32) // 4, i % 4
-
-
-@triton.jit
-def _bytes(w):
-    """[L] int32 -> [L, 4] its signed bytes, byte 0 first."""
-    sh = (tl.arange(0, 4) * 8)[None, :]
-    return (w[:, None] << (24 - sh)) >> 24
-
-
-@triton.jit
-def _fragment_rows(lo, hi, W: tl.constexpr):
-    """The 8 rows (A) or columns (B) the lanes' two words hold, [W, 8, 32]: row g's k 4t + i from byte i of
-    lo in lane 4g + t, k 16 + 4t + i from hi."""
-    a = tl.reshape(_bytes(lo), [W, 8, 16])
-    b = tl.reshape(_bytes(hi), [W, 8, 16])
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), [W, 8, 32])
-
-
-@triton.jit
-def _result_lanes(d, W: tl.constexpr):
-    """Rows [W, 8, 8] of a result (row g, column n) -> the lanes' (g, 2t) and (g, 2t + 1), [32 W] each."""
-    e, o = tl.split(tl.reshape(d, [W, 8, 4, 2]))
-    return tl.reshape(e, [32 * W]), tl.reshape(o, [32 * W])
-
-
-@triton.jit
-def mma_16x8x32(a0, a1, a2, a3, b0, b1, W: tl.constexpr, DOT: tl.constexpr):
-    """The int32 products of A (16 x 32 int8) and B (32 x 8 int8) from the lanes' fragments (module
-    docstring): d0, d1, d2, d3 [32 W]. DOT 1 (matvec_int8's PTX_DP4A: an NVIDIA GPU): the instruction;
-    0: its emulation on the same registers."""
-    if DOT == 1:
-        zero = tl.zeros_like(a0)
-        return tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-            "{$10, $11, $12, $13};",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, zero, zero, zero, zero],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        bt = _fragment_rows(b0, b1, W)[:, None, :, :]  # [W, 1, column, k]
-        top = tl.sum(_fragment_rows(a0, a2, W)[:, :, None, :] * bt, axis=3)  # rows g: [W, g, column]
-        bottom = tl.sum(_fragment_rows(a1, a3, W)[:, :, None, :] * bt, axis=3)  # rows g + 8
-        d0, d1 = _result_lanes(top, W)
-        d2, d3 = _result_lanes(bottom, W)
-        return d0, d1, d2, d3
-
-
-@triton.jit
-def mma_16x8x16(a0, a1, b0, W: tl.constexpr, DOT: tl.constexpr):
-    """m16n8k16 (int8): A's a0 row g, k 4t..4t+3 and a1 row g + 8; B's b0 column g, k 4t..; D as
-    mma_16x8x32's. DOT 1: the instruction; 0: its emulation."""
-    if DOT == 1:
-        zero = tl.zeros_like(a0)
-        return tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, {$7, $8, $9, $10};",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, b0, zero, zero, zero, zero],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        bt = tl.reshape(_bytes(b0), [W, 8, 16])[:, None, :, :]
-        top = tl.sum(tl.reshape(_bytes(a0), [W, 8, 16])[:, :, None, :] * bt, axis=3)
-        bottom = tl.sum(tl.reshape(_bytes(a1), [W, 8, 16])[:, :, None, :] * bt, axis=3)
-        d0, d1 = _result_lanes(top, W)
-        d2, d3 = _result_lanes(bottom, W)
-        return d0, d1, d2, d3
-
-
-@triton.jit
-def _halves(v):
-    """int64 -> its low and high int32 words."""
-    return v.to(tl.int32), (v >> 32).to(tl.int32)
-
-
-@triton.jit
-def _f32_run(ptr, live, COUNT: tl.constexpr):
-    """COUNT consecutive f32 at ptr (8-byte aligned, COUNT even) from COUNT / 2 loads of 8 bytes, 0.0 where
-    not live: a tuple of COUNT [32 W]."""
-    out = ()
-    for i in tl.static_range(COUNT // 2):
-        lo, hi = _halves(tl.load((ptr + 2 * i).to(tl.pointer_type(tl.int64)), mask=live, other=0))
-        out = out + (lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
-    return out
-
-
-@triton.jit
-def _byte_words(ptr, NBYTES: tl.constexpr):
-    """NBYTES (2, 4 or a multiple of 8) bytes at ptr (aligned to their size, 8 at most) as int32 words."""
-    if NBYTES == 2:
-        return (tl.load(ptr.to(tl.pointer_type(tl.int16))).to(tl.int32),)
-    elif NBYTES == 4:
-        return (tl.load(ptr.to(tl.pointer_type(tl.int32))),)
-    else:
-        out = ()
-        for i in tl.static_range(NBYTES // 8):
-            out = out + _halves(tl.load((ptr + 8 * i).to(tl.pointer_type(tl.int64))))
-        return out
-
-
-@triton.jit
-def _lane_program(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, W: tl.constexpr):
-    """Where each lane works: its rows (group j: top + 16 j and + 8, as the tuple rows[2 j], rows[2 j + 1])
-    and those clamped to N - 1 in int64 for the loads; its split's first block and the number of them; g
-    and t; its columns of y (2t, 2t + 1; g is its column of x)."""
-    R: tl.constexpr = BLOCK_N // (16 * W)
-    warp, g, t = lanes(W)
-    first = tl.program_id(1) * blocks_per_split
-    n_iter = tl.minimum(first + blocks_per_split, n_blocks) - first
-    top = tl.program_id(0) * BLOCK_N + warp * (16 * R) + g
-    rows = ()
-    r64 = ()
-    for j in tl.static_range(2 * R):
-        rows = rows + (top + 8 * j,)
-        r64 = r64 + (tl.minimum(top + 8 * j, N - 1).to(tl.int64),)
-    cols = (2 * t, 2 * t + 1)
-    return rows, r64, first, n_iter, g, t, cols
-
-
-@triton.jit
-def _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M: tl.constexpr, N, R: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) of each group j into y (store_split)."""
-    values = ()
-    index = ()
-    live = ()
-    for j in tl.static_range(R):
-        for h in tl.static_range(2):
-            for cc in tl.static_range(min(M, 2)):  # at M = 1 no lane's 2t + 1 is a row of y: its sums are dead code
-                values = values + (acc[j][2 * h + cc],)
-                index = index + (cols[cc] * N + rows[2 * j + h],)
-                live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
-    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
-
-
-@triton.jit
-def _zero_acc(R: tl.constexpr, W: tl.constexpr):
-    acc = ()
-    for j in tl.static_range(R):
-        z = tl.zeros([32 * W], dtype=tl.float32)
-        acc = acc + ((z, z, z, z),)
-    return acc
-
-
-@triton.jit
-def _scaled(acc, d0, d1, d2, d3, u0, u1, s_top, s_bottom):
-    """acc (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) + each int32 result as f32 times its column's
-    u and its row's s."""
-    a0, a1, a2, a3 = acc
-    return (a0 + s_top * (d0.to(tl.float32) * u0), a1 + s_top * (d1.to(tl.float32) * u1),
-            a2 + s_bottom * (d2.to(tl.float32) * u0), a3 + s_bottom * (d3.to(tl.float32) * u1))
-
 
 @triton.jit
 def _q4_k_rows_tile(hp, qp):
@@ -222,8 +72,8 @@ def _q4_k_rows_tile(hp, qp):
 @triton.jit
 def _q4_k_scales(h0, h1, s: tl.constexpr):
     """d sc[s] and dmin m[s] of sub-block s of a row's head record, f32."""
-    dm, a = _halves(h0)
-    b, c = _halves(h1)
+    dm, a = halves(h0)
+    b, c = halves(h1)
     sc, mn = q4_k_scale_min(a, b, c, s)
     d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -235,26 +85,26 @@ def _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl
     """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
     2t + 1) f32. xp: x's bytes 8t.. of column g at the super-block's first element (xlive: g < M); dxp,
     sxp: the q8_1 scales and sums of columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
-    dx0 = _f32_run(dxp[0], clive[0], 8)
-    dx1 = _f32_run(dxp[1], clive[1], 8)
-    sx0 = _f32_run(sxp[0], clive[0], 8)
-    sx1 = _f32_run(sxp[1], clive[1], 8)
+    dx0 = f32_run(dxp[0], clive[0], 8)
+    dx1 = f32_run(dxp[1], clive[1], 8)
+    sx0 = f32_run(sxp[0], clive[0], 8)
+    sx1 = f32_run(sxp[1], clive[1], 8)
     new = acc
     for s in tl.static_range(8):  # chunk s // 2: its low nibbles for even s, high for odd
-        b0, b1 = _halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+        b0, b1 = halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
         out = ()
         for j in tl.static_range(R):
             top = tile[2 * j]
             bottom = tile[2 * j + 1]
-            t_lo, t_hi = _halves(top[s // 2])
-            b_lo, b_hi = _halves(bottom[s // 2])
+            t_lo, t_hi = halves(top[s // 2])
+            b_lo, b_hi = halves(bottom[s // 2])
             if s % 2 == 1:
                 t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
             d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
                                          b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
             st, mt = _q4_k_scales(top[4], top[5], s)
             sb, mb = _q4_k_scales(bottom[4], bottom[5], s)
-            a0, a1, a2, a3 = _scaled(new[j], d0, d1, d2, d3, dx0[s], dx1[s], st, sb)
+            a0, a1, a2, a3 = scaled(new[j], d0, d1, d2, d3, dx0[s], dx1[s], st, sb)
             out = out + ((a0 - mt * sx0[s], a1 - mt * sx1[s], a2 - mb * sx0[s], a3 - mb * sx1[s]),)
         new = out
     return new
@@ -270,7 +120,7 @@ def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.co
             q = q + (tl.load((qp + 32 * b).to(tl.pointer_type(tl.int64))),)
         else:
             q = q + (tl.load((qp + 16 * b).to(tl.pointer_type(tl.int32))),)
-    return q, _byte_words(dp, NB * (1 if E8M0 else 2))
+    return q, byte_words(dp, NB * (1 if E8M0 else 2))
 
 
 @triton.jit
@@ -289,7 +139,7 @@ def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr
     k 4t.., 8t+4.. at k 16+4t..); the nibble types the low nibbles of its 4 bytes (elements 4t..4t+3, k
     4t..) and the high ones (16+4t.., k 16+4t..), as unsigned codes (Q4_0) or the TABLE's levels."""
     if WORDS == 8:
-        return _halves(q)
+        return halves(q)
     elif TABLE == 0:
         return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
     else:
@@ -302,15 +152,15 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
     """NB blocks' products for the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first
     element of column g; the B words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble
     types: 4t.. and 16 + 4t..). Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
-    dx0 = _f32_run(dxp[0], clive[0], NB)
-    dx1 = _f32_run(dxp[1], clive[1], NB)
+    dx0 = f32_run(dxp[0], clive[0], NB)
+    dx1 = f32_run(dxp[1], clive[1], NB)
     if TABLE == 0 and WORDS == 4:
-        sx0 = _f32_run(sxp[0], clive[0], NB)
-        sx1 = _f32_run(sxp[1], clive[1], NB)
+        sx0 = f32_run(sxp[0], clive[0], NB)
+        sx1 = f32_run(sxp[1], clive[1], NB)
     new = acc
     for b in tl.static_range(NB):
         if WORDS == 8:
-            x0, x1 = _halves(tl.load((xp + 32 * b).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+            x0, x1 = halves(tl.load((xp + 32 * b).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
         else:
             x0 = tl.load((xp + 32 * b).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
             x1 = tl.load((xp + 32 * b + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
@@ -331,7 +181,7 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
                 u3 = d3.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
                 out = out + ((a0 + st * u0, a1 + st * u1, a2 + sb * u2, a3 + sb * u3),)
             else:
-                out = out + (_scaled(new[j], d0, d1, d2, d3, dx0[b], dx1[b], st, sb),)
+                out = out + (scaled(new[j], d0, d1, d2, d3, dx0[b], dx1[b], st, sb),)
         new = out
     return new
 
@@ -347,7 +197,7 @@ def _q6_k_rows_tile(qlp, qhp, sp, dp):
     for i in tl.static_range(4):
         qh = qh + (tl.load((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
     d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return ql, qh, _byte_words(sp, 16), d
+    return ql, qh, byte_words(sp, 16), d
 
 
 @triton.jit
@@ -370,8 +220,8 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
     """A Q6_K super-block's products for the lane's R groups (acc as _q4_k_products'): one m16n8k16 per
     16-element sub-block; the two sub-blocks of a q8_1 block (u = 0, 1) combined in int32 with their
     scales, then scaled by d dx once."""
-    dx0 = _f32_run(dxp[0], clive[0], 8)
-    dx1 = _f32_run(dxp[1], clive[1], 8)
+    dx0 = f32_run(dxp[0], clive[0], 8)
+    dx1 = f32_run(dxp[1], clive[1], 8)
     new = acc
     for hj in tl.static_range(8):  # q8_1 block 4h + j of the super-block
         xs = ()
@@ -394,7 +244,7 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
                 v1 += d1 * st
                 v2 += d2 * sb
                 v3 += d3 * sb
-            out = out + (_scaled(new[r], v0, v1, v2, v3, dx0[hj], dx1[hj], top_d, bot_d),)
+            out = out + (scaled(new[r], v0, v1, v2, v3, dx0[hj], dx1[hj], top_d, bot_d),)
         new = out
     return new
 
@@ -464,7 +314,7 @@ def lanes_kernel(
     PER: tl.constexpr = NB * 32 if KIND == 0 else 256  # elements a tile
     SIZE: tl.constexpr = 1 if E8M0 else 2
     XLANE: tl.constexpr = 8 if KIND == 1 else (4 if KIND == 2 else WORDS)  # x bytes from a lane's 4t or 8t
-    rows, r64, first, n_iter, g, t, cols = _lane_program(N, blocks_per_split, K // QK, BLOCK_N, W)
+    rows, r64, first, n_iter, g, t, cols = lane_program(N, blocks_per_split, K // QK, BLOCK_N, W)
     n_iter = n_iter // (PER // QK)
     ptrs = ()
     for j in tl.static_range(2 * R):
@@ -478,7 +328,7 @@ def lanes_kernel(
     v1 = tl.minimum(cols[1], M - 1) * (K // 32) + first * (QK // 32)
     dxp = (dx_ptr + v0, dx_ptr + v1)
     sxp = (sx_ptr + v0, sx_ptr + v1)
-    acc = _zero_acc(R, W)
+    acc = zero_acc(R, W)
     if CARRY:
         tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)
     for it in range(0, n_iter):
@@ -508,4 +358,4 @@ def lanes_kernel(
         if CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
-    _store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
+    store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
