@@ -130,9 +130,10 @@ def loop_mix(text: str) -> dict[str, int]:
 
 def loop_bytes(type_name: str, kernel_name: str, consts: dict, num_warps: int) -> float:
     """Weight bytes one iteration of one warp reads: BLOCK_N rows of NB blocks (super-blocks for the
-    K-quants) a program iteration, one super-block for the matrix-unit kernels."""
+    K-quants) a program iteration; one super-block for the K-quants' matrix-unit kernels (mma 1, lanes)."""
     spec = GGML_TYPES[TYPE_IDS[type_name]]
-    per_tile = 1 if kernel_name in ("_q4_k_mma_kernel", "q4_k_lanes_kernel") else consts["NB"]
+    one_super_block = kernel_name == "_q4_k_mma_kernel" or (kernel_name == "lanes_kernel" and consts["KIND"] != 0)
+    per_tile = 1 if one_super_block else consts["NB"]
     return consts["BLOCK_N"] * per_tile * spec.type_size / num_warps
 
 

@@ -1,6 +1,7 @@
 """benchmarks/kernel_resources.py: the gfx906 tile kernel at 8 activation rows, as its tuning file launches
 the K-quants, compiles without spilling (the only check of that file there is without the GPU), where the
-fallback's two super-blocks a tile spilled; the script reports both."""
+fallback's two super-blocks a tile spilled; the script reports both. And --sass's reading of a listing:
+which loop it counts, what it counts, and the bytes a warp's iteration covers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from kernel_resources import loop_bytes, loop_mix  # noqa: E402
 
 
 def test_gfx906_k_quant_tile_kernels_at_8_rows_do_not_spill_at_the_shipped_entries() -> None:
@@ -28,3 +31,30 @@ def test_gfx906_k_quant_tile_kernels_at_8_rows_do_not_spill_at_the_shipped_entri
     assert all(r["spill_bytes"] == 0 for r in shipped), shipped
     assert any(r["spill_bytes"] > 0 for r in wider), wider  # why the entries are there
     assert all(s["registers"] < w["registers"] for s, w in zip(shipped, wider, strict=True))
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E.64 R2, desc[UR4][R4.64] ;        /* 0x0000000404027981 */
+        /*0020*/                   LOP3.LUT R6, R2, 0xf0f0f0f, RZ, 0xc0, !PT ;  /* 0x0 */
+        /*0030*/                   IMMA.16832.S8.S8 R8, R6.ROW, R10.COL, RZ ;   /* 0x0 */
+        /*0040*/                   I2FP.F32.S32 R8, R8 ;                  /* 0x0 */
+        /*0050*/               @P0 BRA 0x10 ;                             /* 0x0 */
+        /*0060*/                   STG.E desc[UR4][R4.64], R8 ;           /* 0x0 */
+        /*0070*/                   LDS R3, [R2] ;                         /* 0x0 */
+        /*0080*/               @!P1 BRA 0x60 ;                            /* 0x0 */
+        /*0090*/                   EXIT ;                                 /* 0x0 */
+        /*00a0*/                   BRA 0xa0;                              /* 0x0 */
+"""
+
+
+def test_loop_mix_counts_the_longest_backward_branch_only():
+    """The loop 0x10..0x50 (5 instructions) beats the shorter one 0x60..0x80 (3); the trailing self-branch
+    is not a loop; predicated branches count."""
+    assert loop_mix(LISTING) == {"all": 5, "mma_dot": 1, "ldg": 1, "shared": 0, "spill": 0, "alu": 2}
+
+
+def test_loop_bytes_is_one_super_block_for_the_k_quant_lanes_kernels_whatever_nb():
+    consts = {"BLOCK_N": 64, "NB": 8, "KIND": 1}
+    assert loop_bytes("Q4_K", "lanes_kernel", consts, 4) == 16 * 144
+    assert loop_bytes("Q8_0", "lanes_kernel", {**consts, "KIND": 0}, 4) == 16 * 8 * 34
+    assert loop_bytes("Q4_K", "_q4_k_pieces_kernel", consts, 4) == 16 * 8 * 144
