@@ -63,7 +63,7 @@ from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, do
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
-from vegaserve.triton_kernels.matvec_flat import plan_launch
+from vegaserve.triton_kernels.matvec_flat import launch_for, plan_launch
 from vegaserve.triton_kernels.matvec_mma import BLOCK_LANES, Q4_K_LANES, Q6_K_LANES, lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
@@ -875,7 +875,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     mma 1 (Q4_K, M > 1, NVIDIA): the matrix-unit kernel, an int8 tl.dot per sub-block; mma 2 (Q4_K, Q6_K,
     Q8_0, Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync per block (Q4_K: sub-block) and 16 rows with each
     lane's operands loaded in place (matvec_mma.py; block_n 16 x num_warps x the 16-row groups a warp
-    takes; the 32-element types' nb a power of two >= 2); unpack 1 (the
+    takes; for the 32-element types a tile of one block, nb 1 or a row of an odd number of blocks, runs
+    the dp4a kernel instead); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
     mma 1 and unpack 1 are the tuning file's choice per shape (mma won only at M = 8 of 28672x4096 on the
     H200).
@@ -895,10 +896,11 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         if plan.params["block_n"] % lanes_rows:
             raise ValueError(f"mma 2 takes block_n a multiple of 16 x num_warps ({lanes_rows}); got "
                              f"{plan.params['block_n']}")
-        tile = plan.per_tile
-        if w.type_id not in (Q4_K, Q6_K) and (tile < 2 or tile & (tile - 1) or K // 32 % 2):
-            raise ValueError(f"mma 2 loads a tile's scales 8 bytes at a time: nb a power of two >= 2 and K a "
-                             f"multiple of 64; got nb {tile}, K {K}")
+        if w.type_id not in (Q4_K, Q6_K) and plan.per_tile == 1:
+            # the lanes kernel reads a tile's q8_1 scales in pairs; a tile is a power of two of blocks that
+            # divides the row (matvec_tiles), so one block a tile (nb 1, or a row of an odd number of
+            # blocks) goes to the dp4a kernel with the same launch
+            plan = launch_for(w.type_id, K, {**plan.params, "mma": 0})
         if dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device):
             raise ValueError("mma 2 takes mma.sync m16n8k32 (int8), sm_80 and later")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)

@@ -179,18 +179,33 @@ def test_lanes_kernels_match_the_reference(name, block_n, num_warps, nb, split_k
                            num_warps=num_warps, carry=carry, mma=2)
 
 
-def test_lanes_kernels_refuse_what_their_loads_cannot_take():
-    def weight(name, n, k):
-        tid = IDS[name]
-        return repack(random_blocks(tid, n, k // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(23)),
-                      tid, n, k)
-
+def test_lanes_kernels_refuse_a_block_n_their_warps_cannot_split():
+    tid = IDS["Q4_K"]
+    w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(23)), tid, 16, 256)
     with pytest.raises(ValueError, match="multiple of 16 x num_warps"):
-        matvec_int8(torch.randn(2, 256), weight("Q4_K", 16, 256), block_n=32, nb=8, num_warps=4, mma=2)
-    with pytest.raises(ValueError, match="nb a power of two >= 2"):
-        matvec_int8(torch.randn(2, 256), weight("Q8_0", 16, 256), block_n=16, nb=1, num_warps=1, mma=2)
-    with pytest.raises(ValueError, match="K a multiple of 64"):
-        matvec_int8(torch.randn(2, 96), weight("Q4_0", 16, 96), block_n=16, nb=2, num_warps=1, mma=2)
+        matvec_int8(torch.randn(2, 256), w, block_n=32, nb=8, num_warps=4, mma=2)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "MXFP4"])  # 2-byte and 1-byte scale records
+@pytest.mark.parametrize("k, nb, lanes", [(384, 8, True), (256, 1, False), (96, 2, False)],
+                         ids=["tile-of-4", "nb-1", "odd-row"])
+def test_lanes_kernels_leave_one_block_tiles_to_dp4a(name, k, nb, lanes, monkeypatch):
+    """The lanes kernel reads a tile's q8_1 scales in pairs, so a tile of one block (nb 1, or a row of 3
+    blocks, whose only power-of-two tile is 1) runs the dp4a kernel with the same launch instead of failing;
+    12 blocks at nb 8 take tiles of 4 there. Each the reference's product."""
+    from vegaserve.triton_kernels import matvec_int8 as mv
+
+    chosen = []
+    original = mv.choose_kernel
+
+    def spy(type_id, m, params):
+        kernel, args = original(type_id, m, params)
+        chosen.append(kernel.__name__)
+        return kernel, args
+
+    monkeypatch.setattr(mv, "choose_kernel", spy)
+    _matches_the_reference(name, 21, k, (3,), 25, block_n=16, nb=nb, num_warps=1, mma=2)
+    assert chosen == ["lanes_kernel" if lanes else "_legacy_kernel"]
 
 
 def test_matrix_unit_kernel_is_refused_on_amd(monkeypatch):
