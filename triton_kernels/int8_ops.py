@@ -63,13 +63,17 @@ def byte_permute(a, b, sel, STRIDE: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr = -1):
+def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr = -1,
+             PAIRS: tl.constexpr = False):
     """A word of 8 nibbles (byte t: low nibble and high nibble) -> the table's int8 levels of the low nibbles
     of bytes 0..3 and of the high ones, two words. Nibble k (of the low 16 bits, then of the high) picks its
     byte from table words 0-1 or 2-3 by its low 3 bits, and bit 3 chooses between the two picks. TABLE: 1
     IQ4_NL's levels, 2 MXFP4's. BYTE_SELECT (default: on AMD only) takes AMD's byte-selector permute:
     the low nibbles of the four bytes select at once (q & 0x07070707 is four byte selectors), then the
-    high ones, in 6 permutes and no final interleave; NVIDIA's prmt takes nibble selectors (8 permutes)."""
+    high ones, in 6 permutes and no final interleave; NVIDIA's prmt takes nibble selectors (8 permutes).
+    PAIRS (the nibble-selector scheme): the words as the permutes leave them, before the final interleave,
+    bytes (0 low, 0 high, 1 low, 1 high) then (2 low, 2 high, 3 low, 3 high), for a caller that puts its
+    other operand in that order (pairs_order) once for several of these (6 permutes a word)."""
     WORDS: tl.constexpr = IQ4_NL_WORDS if TABLE == 1 else MXFP4_WORDS
     live = q == q  # the table in registers, not immediates (see flat_words.magic)
     t0 = tl.where(live, WORDS[0], 0)
@@ -90,7 +94,15 @@ def lookup16(q, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexp
     x0 = byte_permute(byte_permute(t0, t1, idx, 4, DOT), byte_permute(t2, t3, idx, 4, DOT), sel, 4, DOT)
     x1 = byte_permute(byte_permute(t0, t1, idx >> 16, 4, DOT), byte_permute(t2, t3, idx >> 16, 4, DOT),
                       sel >> 16, 4, DOT)
+    if PAIRS:
+        return x0, x1
     return byte_permute(x0, x1, 0x6420, 4, DOT), byte_permute(x0, x1, 0x7531, 4, DOT)
+
+
+@triton.jit
+def pairs_order(lo, hi, DOT: tl.constexpr):
+    """Words lo (bytes a0..a3) and hi (b0..b3) as lookup16's PAIRS order: (a0, b0, a1, b1), (a2, b2, a3, b3)."""
+    return byte_permute(lo, hi, 0x5140, 4, DOT), byte_permute(lo, hi, 0x7362, 4, DOT)
 
 
 @triton.jit

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import q4_k_scale_min
-from vegaserve.triton_kernels.int8_ops import lookup16, minus_32
+from vegaserve.triton_kernels.int8_ops import lookup16, minus_32, pairs_order
 from vegaserve.triton_kernels.mma_lanes import (
     byte_words,
     f32_run,
@@ -136,14 +136,16 @@ def _legacy_scale(words, b: tl.constexpr, E8M0: tl.constexpr):
 @triton.jit
 def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr):
     """A lane's two A words of one row of a block: Q8_0 the two halves of its 8 bytes (elements 8t..8t+3 at
-    k 4t.., 8t+4.. at k 16+4t..); the nibble types the low nibbles of its 4 bytes (elements 4t..4t+3, k
-    4t..) and the high ones (16+4t.., k 16+4t..), as unsigned codes (Q4_0) or the TABLE's levels."""
+    k 4t.., 8t+4.. at k 16+4t..); Q4_0 the low nibbles of its 4 bytes (elements 4t..4t+3, k 4t..) and the
+    high ones (16+4t.., k 16+4t..) as unsigned codes; IQ4_NL and MXFP4 their TABLE's levels in the
+    lookup's pair order (elements 4t, 16+4t, 4t+1, 17+4t at k 4t.., the rest at k 16+4t..: two permutes
+    a word fewer, the B words put in that order once a block instead, _legacy_products)."""
     if WORDS == 8:
         return halves(q)
     elif TABLE == 0:
         return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
     else:
-        return lookup16(q, TABLE, DOT)
+        return lookup16(q, TABLE, DOT, PAIRS=True)
 
 
 @triton.jit
@@ -164,6 +166,8 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
         else:
             x0 = tl.load((xp + 32 * b).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
             x1 = tl.load((xp + 32 * b + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            if TABLE != 0:
+                x0, x1 = pairs_order(x0, x1, DOT)
         out = ()
         for j in tl.static_range(R):
             top_q, top_s = tile[2 * j]

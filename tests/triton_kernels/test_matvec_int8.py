@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
+from vegaserve.triton_kernels.int8_ops import lookup16, pairs_order
 from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts
@@ -21,7 +22,6 @@ from vegaserve.triton_kernels.matvec_int8 import (
     SUPPORTED,
     candidates,
     dot_kind,
-    lookup16,
     matvec_int8,
     quantize_q8_1,
     reference_matvec_q8_1,
@@ -248,11 +248,20 @@ def test_sweep_has_lanes_configs_only_where_there_are_matrix_units(name, n, k):
 
 
 @triton.jit
-def _lookup_kernel(q_ptr, lo_ptr, hi_ptr, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr):
+def _lookup_kernel(q_ptr, lo_ptr, hi_ptr, TABLE: tl.constexpr, DOT: tl.constexpr, BYTE_SELECT: tl.constexpr,
+                   PAIRS: tl.constexpr = False):
     i = tl.arange(0, 256)
-    lo, hi = lookup16(tl.load(q_ptr + i), TABLE, DOT, BYTE_SELECT)
+    lo, hi = lookup16(tl.load(q_ptr + i), TABLE, DOT, BYTE_SELECT, PAIRS)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
+
+
+@triton.jit
+def _pairs_kernel(lo_ptr, hi_ptr, a_ptr, b_ptr, DOT: tl.constexpr):
+    i = tl.arange(0, 256)
+    a, b = pairs_order(tl.load(lo_ptr + i), tl.load(hi_ptr + i), DOT)
+    tl.store(a_ptr + i, a)
+    tl.store(b_ptr + i, b)
 
 
 @pytest.mark.parametrize("byte_select", [0, 1], ids=["nibble-selectors", "byte-selectors"])
@@ -271,6 +280,31 @@ def test_table_lookup_gives_each_nibbles_level(table, levels, byte_select):
     want_lo = table_np[raw & 15].reshape(-1).view(np.int32)
     want_hi = table_np[raw >> 4].reshape(-1).view(np.int32)
     assert np.array_equal(lo.cpu().numpy(), want_lo) and np.array_equal(hi.cpu().numpy(), want_hi)
+
+
+@pytest.mark.parametrize("table, levels", [(1, IQ4_NL_LEVELS), (2, DOUBLED_E2M1)], ids=["IQ4_NL", "MXFP4"])
+def test_pairs_order_puts_words_in_the_lookups_pair_order(table, levels):
+    """lookup16's PAIRS words hold the levels of nibbles (0 low, 0 high, 1 low, 1 high), (2 low, 2 high, 3 low,
+    3 high); pairs_order arranges two words' bytes the same way: so the PAIRS levels against pairs_order'd
+    activations sum to what the interleaved levels against the activations in order sum to."""
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randint(-2**31, 2**31, (256,), generator=gen, dtype=torch.int64).to(torch.int32).to(DEVICE)
+    lo, hi = torch.empty_like(q), torch.empty_like(q)
+    _lookup_kernel[(1,)](q, lo, hi, TABLE=table, DOT=dot_kind(q.device), BYTE_SELECT=0, PAIRS=True)
+    raw = q.cpu().numpy().view(np.uint8).reshape(256, 4)
+    table_np = np.array(levels, dtype=np.int8)
+    want = table_np[np.stack([raw & 15, raw >> 4], axis=-1).reshape(256, 8)]  # nibble order: byte t low, high
+    assert np.array_equal(lo.cpu().numpy().view(np.int8).reshape(256, 4), want[:, :4])
+    assert np.array_equal(hi.cpu().numpy().view(np.int8).reshape(256, 4), want[:, 4:])
+    xl = torch.randint(-2**31, 2**31, (256,), generator=gen, dtype=torch.int64).to(torch.int32).to(DEVICE)
+    xh = torch.randint(-2**31, 2**31, (256,), generator=gen, dtype=torch.int64).to(torch.int32).to(DEVICE)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    _pairs_kernel[(1,)](xl, xh, a, b, DOT=dot_kind(q.device))
+    xlb = xl.cpu().numpy().view(np.int8).reshape(256, 4)
+    xhb = xh.cpu().numpy().view(np.int8).reshape(256, 4)
+    inter = np.stack([xlb, xhb], axis=-1).reshape(256, 8)  # (lo byte 0, hi byte 0, lo byte 1, ...)
+    assert np.array_equal(a.cpu().numpy().view(np.int8).reshape(256, 4), inter[:, :4])
+    assert np.array_equal(b.cpu().numpy().view(np.int8).reshape(256, 4), inter[:, 4:])
 
 
 def _shipped_int8_entries() -> list[tuple[str, int, int, int]]:
