@@ -23,7 +23,7 @@ import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import repack
-from vegaserve.triton_kernels.matvec_int8 import LANES, lanes_candidates, matvec_int8, quantize_q8_1
+from vegaserve.triton_kernels.matvec_int8 import lanes_candidates, matvec_int8, quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.timing import bench_graph, copies_for
 
@@ -62,7 +62,7 @@ def main() -> None:
         w = repack(raw, tid, n, k)
         rotation = [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(copies_for(raw.numel()) - 1)]
         shape_variants = variants
-        if args.lanes and tid in LANES:
+        if args.lanes:  # every int8 type has a lanes kernel
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             shape_variants = variants + lanes_candidates(tid, n, k, sms)
         for m, extra in ((int(v), e) for v in args.ms.split(",") for e in shape_variants):

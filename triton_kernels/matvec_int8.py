@@ -36,6 +36,7 @@ matmul.reference_matmul in float64). The activation's q8_1 form: q8_1.py (here a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -63,7 +64,7 @@ from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, do
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
-from vegaserve.triton_kernels.matvec_flat import launch_for, plan_launch
+from vegaserve.triton_kernels.matvec_flat import plan_launch
 from vegaserve.triton_kernels.matvec_mma import BLOCK_LANES, Q4_K_LANES, Q6_K_LANES, lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
@@ -780,7 +781,6 @@ _KERNELS = {Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), Q4_0: (_legacy_kern
             MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
             Q4_K: (_q4_k_kernel, {}), Q6_K: (_q6_k_kernel, {})}
 SUPPORTED = frozenset(_KERNELS)
-LANES = frozenset({Q4_K, Q6_K, Q8_0, Q4_0, IQ4_NL, MXFP4})  # the types of mma 2 (matvec_mma.py)
 
 
 def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
@@ -796,7 +796,7 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
         out = [{**c, "pieces": 0} for c in out]
         out += [{**c, "carry": carry, "block_n": bn, "pieces": 1, "unpack": unpack}
                 for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)]
-    if matrix_units and type_id in LANES:
+    if matrix_units:  # every int8 type has a lanes kernel
         out += lanes_candidates(type_id, n, k, sm_count)
     return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
 
@@ -835,7 +835,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     """The kernel a launch of m activation rows with these launch parameters takes, and its type's
     constexprs (benchmarks/kernel_resources.py compiles the same choice without a GPU)."""
     kernel, type_args = _KERNELS[type_id]
-    if params.get("mma", 0) == 2 and type_id in LANES:
+    if params.get("mma", 0) == 2:
         # one mma.sync per block (Q4_K: sub-block) and 16 rows, operands in the lanes' registers
         # (matvec_mma.py): not timed yet
         kind = {Q4_K: Q4_K_LANES, Q6_K: Q6_K_LANES}.get(type_id, BLOCK_LANES)
@@ -900,7 +900,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
             # the lanes kernel reads a tile's q8_1 scales in pairs; a tile is a power of two of blocks that
             # divides the row (matvec_tiles), so one block a tile (nb 1, or a row of an odd number of
             # blocks) goes to the dp4a kernel with the same launch
-            plan = launch_for(w.type_id, K, {**plan.params, "mma": 0})
+            plan = dataclasses.replace(plan, params={**plan.params, "mma": 0})
         if dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device):
             raise ValueError("mma 2 takes mma.sync m16n8k32 (int8), sm_80 and later")
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
