@@ -119,6 +119,14 @@ def to_cache(x, cache_ptr):
 
 
 @triton.jit
+def rotate_pair(a, b, cos, sin):
+    """A RoPE pair (a, b) turned by the angle: (a cos - b sin, b cos + a sin) in f32, each one fused
+    multiply-add on the other product, so that every kernel that rotates rounds the same way (left to the
+    compiler, the contraction of a*c - b*s depends on the surrounding code)."""
+    return tl.fma(a, cos, -(b * sin)), tl.fma(b, cos, a * sin)
+
+
+@triton.jit
 def tile_slots(table, kstart, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cache slots [BLOCK_N] (int64) of key positions kstart .. kstart + BLOCK_N - 1, read through the
     sequence's block table row; positions at or past hi give slot 0 (never loaded)."""

@@ -38,6 +38,7 @@ from vegaserve.triton_kernels.attention_common import (
     launch_params,
     load_kv,
     reference_attention,
+    rotate_pair,
     tile_slots,
     to_cache,
 )
@@ -148,12 +149,13 @@ def rope_angles(pos_ptr, cos_ptr, sin_ptr, d, ROT: tl.constexpr, NEOX: tl.conste
 def rotate(rows, d, mask, angles):
     """Rows [R, D] at `rows` ([R, 1] pointers) rotated by `angles` (rope_angles) in f32, then rounded to
     their own type as fused.rope stores them: a cos - b sin for the first of a pair, b cos + a sin for the
-    second (the same expressions)."""
+    second (attention_common.rotate_pair, as fused.rope: the same roundings)."""
     cos, sin, partner, first, rotated = angles
     x = tl.load(rows + d[None, :], mask=mask, other=0.0)
     xp = tl.load(rows + partner[None, :], mask=mask & rotated[None, :], other=0.0).to(tl.float32)
     xf = x.to(tl.float32)
-    r = tl.where(first[None, :], xf * cos[None, :] - xp * sin[None, :], xf * cos[None, :] + xp * sin[None, :])
+    r = tl.where(first[None, :], rotate_pair(xf, xp, cos[None, :], sin[None, :])[0],
+                 rotate_pair(xp, xf, cos[None, :], sin[None, :])[1])
     return tl.where(rotated[None, :], r.to(x.dtype), x)
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.attention_common import to_cache
+from vegaserve.triton_kernels.attention_common import rotate_pair, to_cache
 from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
@@ -153,8 +153,9 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     dst = y_ptr + (t * H + h) * D
     a = tl.load(src + ia, mask=live, other=0.0).to(tl.float32)
     b = tl.load(src + ib, mask=live, other=0.0).to(tl.float32)
-    ra = (a * cos - b * sin).to(y_ptr.dtype.element_ty)
-    rb = (b * cos + a * sin).to(y_ptr.dtype.element_ty)
+    ra, rb = rotate_pair(a, b, cos, sin)
+    ra = ra.to(y_ptr.dtype.element_ty)
+    rb = rb.to(y_ptr.dtype.element_ty)
     tl.store(dst + ia, ra, mask=live)
     tl.store(dst + ib, rb, mask=live)
     if STORE:
