@@ -48,32 +48,49 @@ from vegaserve.triton_kernels.mma_lanes import (
     f32_run,
     halves,
     lane_program,
+    load16,
     mma_16x8x16,
     mma_16x8x32,
     scaled,
     store_lanes,
+    swap_pairs,
     zero_acc,
 )
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 @triton.jit
-def _q4_k_rows_tile(hp, qp):
-    """One lane's loads of a super-block for one row: bytes 8t..8t+7 of each 32-byte chunk (int64 x 4) and
-    the row's 16-byte head record (int64 x 2: d and dmin, scale words a; b, c)."""
-    q = tl.load(qp.to(tl.pointer_type(tl.int64)))
-    q1 = tl.load((qp + 32).to(tl.pointer_type(tl.int64)))
-    q2 = tl.load((qp + 64).to(tl.pointer_type(tl.int64)))
-    q3 = tl.load((qp + 96).to(tl.pointer_type(tl.int64)))
-    h0 = tl.load(hp.to(tl.pointer_type(tl.int64)))
-    h1 = tl.load((hp + 8).to(tl.pointer_type(tl.int64)))
-    return q, q1, q2, q3, h0, h1
+def _q4_k_rows_tile(hp, qp, DOT: tl.constexpr):
+    """One lane's loads of a super-block for one row, 16 bytes each: bytes 16t.. of each 64-byte half of
+    the quants (chunk 2e + t // 2 of half e, its bytes 16 (t % 2)..) and the 16-byte head record (d and
+    dmin, scale words a, b, c)."""
+    return load16(qp, DOT), load16(qp + 64, DOT), load16(hp, DOT)
 
 
 @triton.jit
-def _q4_k_scales(h0, h1, s: tl.constexpr):
-    """d sc[s] and dmin m[s] of sub-block s of a row's head record, f32."""
-    dm, a = halves(h0)
-    b, c = halves(h1)
+def _q4_k_chunks(row, lo, W: tl.constexpr, DOT: tl.constexpr):
+    """A row's four 32-byte chunks as the lane's two words of each, from its two 16-byte loads: lanes t < 2
+    (lo) hold chunk 2e of half e, t >= 2 chunk 2e + 1; each keeps its words 0 and 1 and takes the pair
+    lane's (t ^ 2) words 2 and 3, so lane t holds words 4 (t % 2) + 2 ((t // 2) ^ (c % 2)) and the next
+    of chunk c (_x_offsets: x's elements at the same place)."""
+    out = ()
+    for e in tl.static_range(2):
+        w0, w1, w2, w3 = row[e]
+        r2 = swap_pairs(w2, W, DOT)
+        r3 = swap_pairs(w3, W, DOT)
+        out = out + ((tl.where(lo, w0, r2), tl.where(lo, w1, r3)), (tl.where(lo, r2, w0), tl.where(lo, r3, w1)))
+    return out
+
+
+@triton.jit
+def _x_offsets(t):
+    """Where lane t's 8 bytes of x sit in a Q4_K sub-block of an even and of an odd chunk (_q4_k_chunks)."""
+    return 16 * (t % 2) + 8 * (t // 2), 16 * (t % 2) + 8 * (1 - t // 2)
+
+
+@triton.jit
+def _q4_k_scales(head, s: tl.constexpr):
+    """d sc[s] and dmin m[s] of sub-block s of a row's head record (4 words), f32."""
+    dm, a, b, c = head
     sc, mn = q4_k_scale_min(a, b, c, s)
     d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -81,29 +98,33 @@ def _q4_k_scales(h0, h1, s: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+def _q4_k_products(tile, acc, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
+                   DOT: tl.constexpr):
     """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
-    2t + 1) f32. xp: x's bytes 8t.. of column g at the super-block's first element (xlive: g < M); dxp,
-    sxp: the q8_1 scales and sums of columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
+    2t + 1) f32. xp: x of column g at the super-block's first element (xlive: g < M), xo: the lane's
+    offsets in a sub-block of even and odd chunks (_x_offsets); dxp, sxp: the q8_1 scales and sums of
+    columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
     dx0 = f32_run(dxp[0], clive[0], 8)
     dx1 = f32_run(dxp[1], clive[1], 8)
     sx0 = f32_run(sxp[0], clive[0], 8)
     sx1 = f32_run(sxp[1], clive[1], 8)
+    chunks = ()
+    for j in tl.static_range(2 * R):
+        chunks = chunks + (_q4_k_chunks(tile[j], lo, W, DOT),)
     new = acc
     for s in tl.static_range(8):  # chunk s // 2: its low nibbles for even s, high for odd
-        b0, b1 = halves(tl.load((xp + 32 * s).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+        b0, b1 = halves(tl.load((xp + 32 * s + xo[(s // 2) % 2]).to(tl.pointer_type(tl.int64)), mask=xlive,
+                                other=0))
         out = ()
         for j in tl.static_range(R):
-            top = tile[2 * j]
-            bottom = tile[2 * j + 1]
-            t_lo, t_hi = halves(top[s // 2])
-            b_lo, b_hi = halves(bottom[s // 2])
+            t_lo, t_hi = chunks[2 * j][s // 2]
+            b_lo, b_hi = chunks[2 * j + 1][s // 2]
             if s % 2 == 1:
                 t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
             d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
                                          b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
-            st, mt = _q4_k_scales(top[4], top[5], s)
-            sb, mb = _q4_k_scales(bottom[4], bottom[5], s)
+            st, mt = _q4_k_scales(tile[2 * j][2], s)
+            sb, mb = _q4_k_scales(tile[2 * j + 1][2], s)
             a0, a1, a2, a3 = scaled(new[j], d0, d1, d2, d3, dx0[s], dx1[s], st, sb)
             out = out + ((a0 - mt * sx0[s], a1 - mt * sx1[s], a2 - mb * sx0[s], a3 - mb * sx1[s]),)
         new = out
@@ -263,7 +284,7 @@ def _planes(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, r64, first, t,
     the quants at 8t of a chunk; Q6_K ql and qh at 4t, the scales and d; the 32-element types the scales
     (SIZE bytes a block) and the quants at WORDS t."""
     if KIND == 1:
-        return base + o0 + r64 * r0 + first * b0, base + o2 + r64 * r2 + first * b2 + 8 * t
+        return base + o0 + r64 * r0 + first * b0, base + o2 + r64 * r2 + first * b2 + 16 * t
     elif KIND == 2:
         return (base + o0 + r64 * r0 + first * b0 + 4 * t, base + o1 + r64 * r1 + first * b1 + 4 * t,
                 base + o2 + r64 * r2 + first * b2, base + o3 + r64 * r3 + first * b3)
@@ -283,13 +304,14 @@ def _plane_steps(b0, b1, b2, b3, KIND: tl.constexpr, NB: tl.constexpr, SIZE: tl.
 
 
 @triton.jit
-def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
+def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr,
+          DOT: tl.constexpr):
     """The loads of one tile for each of the lane's 2R rows (group j: rows g + 16 j, then + 8)."""
     tile = ()
     for j in tl.static_range(2 * R):
         p = ptrs[j]
         if KIND == 1:
-            tile = tile + (_q4_k_rows_tile(p[0], p[1]),)
+            tile = tile + (_q4_k_rows_tile(p[0], p[1], DOT),)
         elif KIND == 2:
             tile = tile + (_q6_k_rows_tile(p[0], p[1], p[2], p[3]),)
         else:
@@ -317,7 +339,7 @@ def lanes_kernel(
     QK: tl.constexpr = 32 if KIND == 0 else 256
     PER: tl.constexpr = NB * 32 if KIND == 0 else 256  # elements a tile
     SIZE: tl.constexpr = 1 if E8M0 else 2
-    XLANE: tl.constexpr = 8 if KIND == 1 else (4 if KIND == 2 else WORDS)  # x bytes from a lane's 4t or 8t
+    XLANE: tl.constexpr = 0 if KIND == 1 else (4 if KIND == 2 else WORDS)  # x bytes from a lane's 4t or 8t
     rows, r64, first, n_iter, g, t, cols = lane_program(N, blocks_per_split, K // QK, BLOCK_N, W)
     n_iter = n_iter // (PER // QK)
     ptrs = ()
@@ -334,10 +356,10 @@ def lanes_kernel(
     sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = zero_acc(R, W)
     if CARRY:
-        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)
+        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
         pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         moved = ()
@@ -351,7 +373,7 @@ def lanes_kernel(
             moved = moved + (row,)
         ptrs = moved
         if KIND == 1:
-            acc = _q4_k_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, DOT)
+            acc = _q4_k_products(tile, acc, xp, _x_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
         elif KIND == 2:
             acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
         else:
@@ -360,6 +382,6 @@ def lanes_kernel(
         dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
         sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
         if CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0)  # the next tile's loads
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)

@@ -100,6 +100,32 @@ def mma_16x8x16(a0, a1, b0, W: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def load16(ptr, DOT: tl.constexpr):
+    """The 16 bytes at ptr (16-byte aligned) in each lane as 4 int32 words, one 16-byte load (DOT 1; Triton
+    gives a one-value-a-lane tensor no wider load than its element) or 4 loads of 4 (its emulation)."""
+    if DOT == 1:
+        return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                         [ptr.to(tl.pointer_type(tl.int32))],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        w = ptr.to(tl.pointer_type(tl.int32))
+        return tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3)
+
+
+@triton.jit
+def swap_pairs(v, W: tl.constexpr, DOT: tl.constexpr):
+    """Each lane gets v of lane ^ 2 (t and t ^ 2 of the same g swap): one shfl.sync.bfly (DOT 1) or its
+    emulation on the [32 W] tensor."""
+    if DOT == 1:
+        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=r,r", [v],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = tl.permute(tl.reshape(v, [W * 8, 2, 2]), (0, 2, 1))  # (lane // 4, t % 2, t // 2)
+        a, b = tl.split(r)
+        return tl.reshape(tl.permute(tl.join(b, a), (0, 2, 1)), [32 * W])
+
+
+@triton.jit
 def halves(v):
     """int64 -> its low and high int32 words."""
     return v.to(tl.int32), (v >> 32).to(tl.int32)
