@@ -126,6 +126,26 @@ def swap_pairs(v, W: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def exchange_halves(words, lo, W: tl.constexpr, DOT: tl.constexpr):
+    """Two 32-byte runs of a row (a Q4_K chunk, a Q8_0 block) as the fragment wants them, from one 16-byte
+    load a lane at 16t of their 64 bytes (`words`, 4 int32; lo: t < 2): lanes t < 2 hold the first run,
+    bytes 16 (t % 2).., the others the second. Each keeps its words 0 and 1 and takes words 2 and 3 of
+    lane t ^ 2 (swap_pairs), so lane t ends with words 4 (t % 2) + 2 ((t // 2) ^ r) and the next of run r:
+    ((first run's two words), (second run's)). A warp's load covers 8 rows x 64 bytes, 8 cache lines for
+    512 bytes, where an 8-byte load at 8t of each run covers 8 lines for 256."""
+    w0, w1, w2, w3 = words
+    r2 = swap_pairs(w2, W, DOT)
+    r3 = swap_pairs(w3, W, DOT)
+    return (tl.where(lo, w0, r2), tl.where(lo, w1, r3)), (tl.where(lo, r2, w0), tl.where(lo, r3, w1))
+
+
+@triton.jit
+def pair_offsets(t):
+    """Where lane t's 8 bytes sit in the first and in the second run of exchange_halves (x is read there)."""
+    return 16 * (t % 2) + 8 * (t // 2), 16 * (t % 2) + 8 * (1 - t // 2)
+
+
+@triton.jit
 def halves(v):
     """int64 -> its low and high int32 words."""
     return v.to(tl.int32), (v >> 32).to(tl.int32)
