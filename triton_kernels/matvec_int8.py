@@ -17,7 +17,8 @@ kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quan
 (per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`; on the H200 at block_n
 128 about 62 us at 2, 4 and 8 rows of 28672x4096, against dp4a's 40, 51 and 86 us; far slower on 4096x14336;
 the tuning file's choice where it won). mma 2 takes the lanes kernels of matvec_mma.py instead (Q4_K, Q6_K,
-Q8_0, Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync a block and 16 rows with no shared memory, not timed yet.
+Q8_0, Q4_0, IQ4_NL, MXFP4; NVIDIA sm_80+): one mma.sync a block and 16 rows with no shared memory, the H200
+file's choice at M = 8 of the 8B model's gate-up and down shapes (1.3-3.5x, docs/PERF.md, eighth sitting).
 
 Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(xq) over the block):
   Q8_0  (d * dx) * sum(q * xq).
@@ -802,12 +803,13 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
 
 
 def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[str, int]]:
-    """mma 2 (matvec_mma.py): 1 or 2 groups of 16 rows a warp on 4 warps, 1 on 8; the 32-element types with
-    4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest power-of-two split-K that
-    gives two programs an SM, with at least two tiles a split, and twice that."""
+    """mma 2 (matvec_mma.py): 2 groups of 16 rows a warp on 1, 2 or 4 warps, 1 on 4 (the H200's sweep of
+    the eighth sitting, docs/PERF.md: 8 warps lost everywhere, 1 and 2 won on four of the seven shapes); the
+    32-element types with 4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest
+    power-of-two split-K that gives two programs an SM, with at least two tiles a split, and twice that."""
     qk = 256 if type_id in (Q4_K, Q6_K) else 32
     out = []
-    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+    for block_n, warps in ((32, 1), (64, 2), (64, 4), (128, 4)):
         for nb in (8,) if qk == 256 else (4, 8):
             tiles = k // qk // max(1, nb * 32 // qk)
             split = 1
@@ -837,7 +839,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     kernel, type_args = _KERNELS[type_id]
     if params.get("mma", 0) == 2:
         # one mma.sync per block (Q4_K: sub-block) and 16 rows, operands in the lanes' registers
-        # (matvec_mma.py): not timed yet
+        # (matvec_mma.py)
         kind = {Q4_K: Q4_K_LANES, Q6_K: Q6_K_LANES}.get(type_id, BLOCK_LANES)
         return lanes_kernel, {"WORDS": 4, "TABLE": 0, "E8M0": False, **type_args, "W": params["num_warps"],
                               "KIND": kind}
@@ -878,8 +880,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     takes; for the 32-element types a tile of one block, nb 1 or a row of an odd number of blocks, runs
     the dp4a kernel instead); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
-    mma 1 and unpack 1 are the tuning file's choice per shape (mma won only at M = 8 of 28672x4096 on the
-    H200).
+    mma and unpack 1 are the tuning file's choice per shape (on the H200: mma 2 at M = 8 of 28672x4096
+    and 4096x14336).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
     `out`: where y goes (Launch.outputs: at M = 1 a column slice of a wider output, so the matrices of one
     activation with different types write one output without a cat)."""

@@ -14,25 +14,26 @@ i // 32), so the code says what each lane loads and which register it passes: no
 shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block; Q6_K, whose scales are
 per 16 elements: an m16n8k16 per sub-block) of 16 rows.
 
-Q4_K: each lane holds 8 bytes of each 32-byte chunk of a row, k 4t+i standing for the first 4 of them and
-k 16+4t+i for the next 4 (mma_lanes.py: any numbering A and B agree on); its 8 bytes of B are x's elements
-at the same place of the sub-block, one 8-byte load. Which 8 bytes: a warp instruction over 8 rows costs a
-cache line a row, so each lane loads 16 bytes (16t of each 64-byte half of the row's quants) and lanes
-t, t ^ 2 swap half of them (mma_lanes.exchange_halves: a shuffle and two selects a word pair), 8 lines
-for 512 bytes instead of 8 for 256 (the cost that held back the first version: docs/PERF.md, eighth
-sitting). A chunk's low nibbles are sub-block 2c and its high nibbles sub-block 2c + 1, so the same
-words give that row's A words of both sub-blocks, one mask (and one shift) each.
+Q4_K: each lane holds 8 bytes of each 32-byte chunk of a row, k 4t+i standing for the first 4 of them and k
+16+4t+i for the next 4 (mma_lanes.py: any numbering A and B agree on); its 8 bytes of B are x's elements at
+the same place of the sub-block, one 8-byte load. Which 8 bytes: a warp instruction over 8 rows costs a
+cache line a row, so each lane loads 16 bytes (16t of each 64-byte half of the row's quants) and lanes t, t
+^ 2 swap half of them (mma_lanes.exchange_halves: a shuffle and two selects a word pair), 8 lines for 512
+bytes instead of 8 for 256 (measured 4-7% faster at M=8 than 8-byte loads; the lines were not what holds the
+kernel back, its few warps waiting on loads are: docs/PERF.md, eighth sitting). A chunk's low nibbles are
+sub-block 2c and its high nibbles sub-block 2c + 1, so the same words give that row's A words of both
+sub-blocks, one mask (and one shift) each.
 
 Per lane and Q4_K super-block, for each 16-row group it holds: 4 loads of 16 bytes (rows g, g + 8; the
 quants' two halves), its rows' 16-byte head records (d, dmin, the 12 scale bytes) in one load each, 8 mma
 and the f32 scaling of 4 results a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]);
-the x words and the q8_1 scales (columns g and 2t, 2t + 1, 8 bytes a load) once for all its groups
-(BLOCK_N = 16 W R: R groups a warp). The 32-element types: Q8_0 as Q4_K, a block pair for a chunk pair
-(16 bytes at 16t of their 64, exchanged); the nibble types' block is 16 bytes, byte l holding elements
-l (low nibble) and l + 16 (high), so lane t's 4 bytes at 4t give k 4t.. (low nibbles) and k 16+4t..
-(high) in the instruction's own numbering, and its B words are x's elements 4t.. and 16+4t.. (two 4-byte
-loads); Q4_0 as unsigned codes with its 8 taken off through the q8_1 sums, IQ4_NL and MXFP4 through
-int8_ops.lookup16. Their scales: a tile's NB records of a row in 8-byte loads.
+the x words and the q8_1 scales (columns g and 2t, 2t + 1, 8 bytes a load) once for all its groups (BLOCK_N
+= 16 W R: R groups a warp). The 32-element types: Q8_0 8 bytes at 8t of the block's 32 (elements 8t.. at k
+4t.., 8t+4.. at k 16+4t..; its 16-byte loads with the exchange measured slower); the nibble types' block is
+16 bytes, byte l holding elements l (low nibble) and l + 16 (high), so lane t's 4 bytes at 4t give k 4t..
+(low nibbles) and k 16+4t.. (high) in the instruction's own numbering, and its B words are x's elements 4t..
+and 16+4t.. (two 4-byte loads); Q4_0 as unsigned codes with its 8 taken off through the q8_1 sums, IQ4_NL
+and MXFP4 through int8_ops.lookup16. Their scales: a tile's NB records of a row in 8-byte loads.
 
 The fragments and the lanes' bookkeeping: mma_lanes.py. sm_80 and later; no AMD part (gfx906 has no
 matrix units). Torch reference: matvec_int8.reference_matvec_q8_1.
@@ -116,16 +117,15 @@ def _q4_k_products(tile, acc, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexp
 
 
 @triton.jit
-def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr):
-    """One lane's loads of NB blocks of one row: the quant bytes (WORDS 8: 16 bytes at 16t of each pair of
-    blocks' 64, mma_lanes.exchange_halves; 4: 4 bytes at 4t of each block's 16) and the NB scales in as
-    few loads as their bytes allow."""
+def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
+    """One lane's loads of NB blocks of one row: the quant bytes (WORDS 8: 8 bytes at 8t of each block's 32;
+    4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow. (Q8_0 in 16-byte
+    loads and exchange_halves, as Q4_K, measured slower: docs/PERF.md, eighth sitting.)"""
     q = ()
-    if WORDS == 8:
-        for b in tl.static_range(NB // 2):
-            q = q + (load16(qp + 64 * b, DOT),)
-    else:
-        for b in tl.static_range(NB):
+    for b in tl.static_range(NB):
+        if WORDS == 8:
+            q = q + (tl.load((qp + 32 * b).to(tl.pointer_type(tl.int64))),)
+        else:
             q = q + (tl.load((qp + 16 * b).to(tl.pointer_type(tl.int32))),)
     return q, byte_words(dp, NB * (1 if E8M0 else 2))
 
@@ -141,42 +141,35 @@ def _legacy_scale(words, b: tl.constexpr, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _legacy_codes(q, TABLE: tl.constexpr, DOT: tl.constexpr):
-    """A lane's two A words of one row of a nibble type's block (Q8_0's come from
-    mma_lanes.exchange_halves): Q4_0 the low nibbles of its 4 bytes (elements 4t..4t+3, k 4t..) and the
+def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr):
+    """A lane's two A words of one row of a block: Q8_0 the two halves of its 8 bytes (elements 8t..8t+3 at
+    k 4t.., 8t+4.. at k 16+4t..); Q4_0 the low nibbles of its 4 bytes (elements 4t..4t+3, k 4t..) and the
     high ones (16+4t.., k 16+4t..) as unsigned codes; IQ4_NL and MXFP4 their TABLE's levels in the
     lookup's pair order (elements 4t, 16+4t, 4t+1, 17+4t at k 4t.., the rest at k 16+4t..: two permutes
     a word fewer, the B words put in that order once a block instead, _legacy_products)."""
-    if TABLE == 0:
+    if WORDS == 8:
+        return halves(q)
+    elif TABLE == 0:
         return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
     else:
         return lookup16(q, TABLE, DOT, PAIRS=True)
 
 
 @triton.jit
-def _legacy_products(tile, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
                      WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr):
     """NB blocks' products for the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first
-    element of column g; the B words are x's elements of the lane's k (Q8_0: one 8-byte load where its
-    A words landed, mma_lanes.pair_offsets; the nibble types: 4t.. and 16 + 4t..). Q4_0 takes its 8 off
-    through the q8_1 sums: d (dx s - 8 sx)."""
+    element of column g; the B words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble
+    types: 4t.. and 16 + 4t..). Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
     dx0 = f32_run(dxp[0], clive[0], NB)
     dx1 = f32_run(dxp[1], clive[1], NB)
     if TABLE == 0 and WORDS == 4:
         sx0 = f32_run(sxp[0], clive[0], NB)
         sx1 = f32_run(sxp[1], clive[1], NB)
-    if WORDS == 8:
-        xo = pair_offsets(t)
-        codes = ()
-        for j in tl.static_range(2 * R):
-            words = ()
-            for b in tl.static_range(NB // 2):
-                words = words + exchange_halves(tile[j][0][b], t < 2, W, DOT)
-            codes = codes + (words,)
     new = acc
     for b in tl.static_range(NB):
         if WORDS == 8:
-            x0, x1 = halves(tl.load((xp + 32 * b + xo[b % 2]).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+            x0, x1 = halves(tl.load((xp + 32 * b).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
         else:
             x0 = tl.load((xp + 32 * b).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
             x1 = tl.load((xp + 32 * b + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
@@ -186,12 +179,8 @@ def _legacy_products(tile, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, 
         for j in tl.static_range(R):
             top_q, top_s = tile[2 * j]
             bottom_q, bottom_s = tile[2 * j + 1]
-            if WORDS == 8:
-                t_lo, t_hi = codes[2 * j][b]
-                b_lo, b_hi = codes[2 * j + 1][b]
-            else:
-                t_lo, t_hi = _legacy_codes(top_q[b], TABLE, DOT)
-                b_lo, b_hi = _legacy_codes(bottom_q[b], TABLE, DOT)
+            t_lo, t_hi = _legacy_codes(top_q[b], WORDS, TABLE, DOT)
+            b_lo, b_hi = _legacy_codes(bottom_q[b], WORDS, TABLE, DOT)
             d0, d1, d2, d3 = mma_16x8x32(t_lo, b_lo, t_hi, b_hi, x0, x1, W, DOT)
             st = _legacy_scale(top_s, b, E8M0)
             sb = _legacy_scale(bottom_s, b, E8M0)
@@ -279,14 +268,14 @@ def _planes(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, r64, first, t,
             WORDS: tl.constexpr, SIZE: tl.constexpr):
     """A row's byte pointers to the planes a lane reads, at the split's first block: Q4_K the head record and
     the quants at 16t; Q6_K ql and qh at 4t, the scales and d; the 32-element types the scales (SIZE bytes
-    a block) and the quants at 16t (Q8_0) or 4t (WORDS 4)."""
+    a block) and the quants at WORDS t."""
     if KIND == 1:
         return base + o0 + r64 * r0 + first * b0, base + o2 + r64 * r2 + first * b2 + 16 * t
     elif KIND == 2:
         return (base + o0 + r64 * r0 + first * b0 + 4 * t, base + o1 + r64 * r1 + first * b1 + 4 * t,
                 base + o2 + r64 * r2 + first * b2, base + o3 + r64 * r3 + first * b3)
     else:
-        return base + o0 + r64 * r0 + first * SIZE, base + o1 + r64 * r1 + first * b1 + (16 if WORDS == 8 else 4) * t
+        return base + o0 + r64 * r0 + first * SIZE, base + o1 + r64 * r1 + first * b1 + WORDS * t
 
 
 @triton.jit
@@ -312,7 +301,7 @@ def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl
         elif KIND == 2:
             tile = tile + (_q6_k_rows_tile(p[0], p[1], p[2], p[3]),)
         else:
-            tile = tile + (_legacy_rows_tile(p[0], p[1], NB, WORDS, E8M0, DOT),)
+            tile = tile + (_legacy_rows_tile(p[0], p[1], NB, WORDS, E8M0),)
     return tile
 
 
@@ -336,7 +325,7 @@ def lanes_kernel(
     QK: tl.constexpr = 32 if KIND == 0 else 256
     PER: tl.constexpr = NB * 32 if KIND == 0 else 256  # elements a tile
     SIZE: tl.constexpr = 1 if E8M0 else 2
-    XLANE: tl.constexpr = 4 if KIND == 2 or (KIND == 0 and WORDS == 4) else 0  # x at a lane's 4t (else pair_offsets)
+    XLANE: tl.constexpr = 0 if KIND == 1 else (4 if KIND == 2 else WORDS)  # x at a lane's 4t or 8t (Q4_K: pair_offsets)
     rows, r64, first, n_iter, g, t, cols = lane_program(N, blocks_per_split, K // QK, BLOCK_N, W)
     n_iter = n_iter // (PER // QK)
     ptrs = ()
@@ -374,7 +363,7 @@ def lanes_kernel(
         elif KIND == 2:
             acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
         else:
-            acc = _legacy_products(tile, acc, xp, t, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+            acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
         xp += PER
         dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
         sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)

@@ -127,7 +127,7 @@ def swap_pairs(v, W: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def exchange_halves(words, lo, W: tl.constexpr, DOT: tl.constexpr):
-    """Two 32-byte runs of a row (a Q4_K chunk, a Q8_0 block) as the fragment wants them, from one 16-byte
+    """Two 32-byte runs of a row (Q4_K's chunks) as the fragment wants them, from one 16-byte
     load a lane at 16t of their 64 bytes (`words`, 4 int32; lo: t < 2): lanes t < 2 hold the first run,
     bytes 16 (t % 2).., the others the second. Each keeps its words 0 and 1 and takes words 2 and 3 of
     lane t ^ 2 (swap_pairs), so lane t ends with words 4 (t % 2) + 2 ((t // 2) ^ r) and the next of run r:
