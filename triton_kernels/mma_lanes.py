@@ -110,21 +110,22 @@ def weight(ptr, STREAM: tl.constexpr):
 
 
 @triton.jit
+def _vector_load(ptr, ASM: tl.constexpr):
+    """One 16-byte load instruction ASM (its 4 words $0-$3, the address $4) at ptr, as 4 int32."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,l", [ptr.to(tl.pointer_type(tl.int32))],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
 def load16(ptr, DOT: tl.constexpr, STREAM: tl.constexpr = 0):
     """The 16 bytes at ptr (16-byte aligned) in each lane as 4 int32 words, one 16-byte load (DOT 1; Triton
     gives a one-value-a-lane tensor no wider load than its element) or 4 loads of 4 (its emulation);
     STREAM as weight's."""
     if DOT == 1:
         if STREAM:
-            return tl.inline_asm_elementwise("ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                             [ptr.to(tl.pointer_type(tl.int32))],
-                                             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                                             pack=1)
+            return _vector_load(ptr, "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];")
         else:
-            return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                             [ptr.to(tl.pointer_type(tl.int32))],
-                                             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                                             pack=1)
+            return _vector_load(ptr, "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];")
     else:
         w = ptr.to(tl.pointer_type(tl.int32))
         return weight(w, STREAM), weight(w + 1, STREAM), weight(w + 2, STREAM), weight(w + 3, STREAM)
