@@ -84,16 +84,27 @@ def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(back
             assert "dp4a.s32.s32" not in found[name], name
 
 
-LAYOUT = r"""
+SM90 = r"""
 import re
-import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vegaserve.triton_kernels import matvec_int8 as mv
 
-types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
+TYPES = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
          "out_ptr": "*fp32", "count_ptr": "*i32"}
+
+
+def sm90(fn, consts, warps):
+    # fn compiled for sm_90 as a launch specialises it (pointers, offsets and row strides divisible by 16)
+    sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n in TYPES or re.fullmatch(r"[or]\d|N|K", n)}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": 1}).asm
+"""
+
+LAYOUT = SM90 + r"""
 common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=0, PDL=False)
 kernels = {
     "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
@@ -102,13 +113,7 @@ kernels = {
     "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0)),
 }
 for name, (fn, consts) in kernels.items():
-    consts = {**common, **consts}
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # the launch's specialisation: pointers, offsets and row strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n in types or re.fullmatch(r"[or]\d|N|K", n)}
-    ttgir = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "num_stages": 1}).asm["ttgir"]
+    ttgir = sm90(fn, {**common, **consts}, 4)["ttgir"]
     layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
     for shape, layout in re.findall(r"tt\.load %\S+ : tensor<(16x\d+)x!tt\.ptr<i32>, (#\w+)>", ttgir):
         lanes = re.search(r"threadsPerWarp = \[(\d+), (\d+)\]", layouts[layout])
@@ -131,26 +136,13 @@ def test_quant_word_loads_put_the_lanes_of_a_warp_along_the_row(offline_compile)
         assert int(along) >= min(16, words // 4), f"{name} {shape}: {rows} rows x {along} lanes"
 
 
-LANES = r"""
-import re
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from vegaserve.triton_kernels import matvec_int8 as mv
-
-types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
+LANES = SM90 + r"""
 mma_per_tile = {"Q4_K": 8, "Q6_K": 16, "Q8_0": 4, "Q4_0": 4, "IQ4_NL": 4, "MXFP4": 4}  # at NB 4
 runs = [(4, 64, 1), (4, 128, 2), (8, 128, 1)]
 for name, (warps, block_n, split) in [(n, r) for n in mma_per_tile for r in runs]:
     fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": warps})
-    consts = dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True, **type_args)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n in types or re.fullmatch(r"[or]\d|N|K", n)}
-    asm = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps, "num_stages": 1}).asm
+    asm = sm90(fn, dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True,
+                        **type_args), warps)
     ttgir = asm["ttgir"]
     layouts = sorted(set(re.findall(r"^#\w+ = (#ttg\.\w+<.*>)$", ttgir, re.M)))
     key = f"{name} {warps} {block_n} {split}"
@@ -185,24 +177,12 @@ def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compil
     assert len(seen) == 18
 
 
-STREAM = r"""
-import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from vegaserve.triton_kernels import matvec_int8 as mv
-
-types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
+STREAM = SM90 + r"""
 for name in ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL"):
     for stream in (0, 1):
         fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4, "stream": stream})
-        consts = dict(M=8, BLOCK_N=64, NB=4, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=1, PDL=False, **type_args)
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n in types or re.fullmatch(r"[or]\d|N|K", n)}
-        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
+        ptx = sm90(fn, dict(M=8, BLOCK_N=64, NB=4, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=1, PDL=False, **type_args),
+                   4)["ptx"]
         loads = re.findall(r"\bld\.global\.[\w.]*", ptx)
         print(name, stream, len(loads), sum(".cg" in ld for ld in loads))
 print("compiled")
