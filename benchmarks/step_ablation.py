@@ -59,12 +59,14 @@ def _cached_q8_1(x):
     return out
 
 
-def _no_attend(q, *args, **kwargs):
-    return torch.empty_like(q)
+def _no_attend(q, *args, q8_1=False, **kwargs):
+    out = torch.empty_like(q)
+    return (out, _cached_q8_1(out.reshape(q.shape[0], -1))) if q8_1 else out
 
 
-def _no_attend_rope(qk, v, rope, layer, cache, batch, scale, n_heads):
-    return torch.empty(qk.shape[0], n_heads, qk.shape[2], device=qk.device, dtype=qk.dtype)
+def _no_attend_rope(qk, v, rope, layer, cache, batch, scale, n_heads, want_q8_1=False):
+    out = torch.empty(qk.shape[0], n_heads, qk.shape[2], device=qk.device, dtype=qk.dtype)
+    return out, _cached_q8_1(out.reshape(qk.shape[0], -1)) if want_q8_1 else None
 
 
 def _no_norm(self, x):

@@ -23,6 +23,7 @@ from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_common import to_cache
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill
+from vegaserve.triton_kernels.q8_1 import Q8_1
 
 
 @triton.jit
@@ -63,14 +64,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
-           max_query_len: int, out: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
+           max_query_len: int, out: torch.Tensor | None = None, q8_1: bool = False,
+           **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1 | None]:
     """q [T, H, D] of the new tokens (their k/v written) -> [T, H, D]. Arguments as prefill_attention;
-    max_seq_len and max_query_len are host ints so that choosing the kernel and its grid needs no sync."""
+    max_seq_len and max_query_len are host ints so that choosing the kernel and its grid needs no sync.
+    `q8_1`: (that, its q8_1 copy [T, H * D]) from the decode kernel, which writes both; (that, None) from
+    the prefill kernel, whose outputs the dense GEMMs read."""
     if max_query_len == 1:
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, page_size, max_seq_len,
-                                out=out, **params)
-    return prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, page_size,
-                             max_query_len, out=out, **params)
+                                out=out, q8_1=q8_1, **params)
+    o = prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, page_size,
+                          max_query_len, out=out, **params)
+    return (o, None) if q8_1 else o
 
 
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

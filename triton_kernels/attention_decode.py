@@ -14,6 +14,8 @@ rotates q and the new token's key, and the program whose partition holds the new
 and its value in the cache (a decode layer's launches: 3 -> 2). No program reads the new key from the
 cache: each takes it from registers into its tile, so the other keys, all written by earlier steps, are
 read before the PDL wait like a mat-vec's weights (the first tile; each next one a tile ahead).
+With `q8_1` the kernel that writes the output (the combine, or the split kernel with one partition) also
+writes its q8_1 copy, the o_proj's int8 mat-vec input (q8_1.store_q8_1_blocks), in place of a quantize launch.
 
 Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
 """
@@ -28,6 +30,7 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, store_q8_1_blocks
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
     attend_kv,
@@ -48,13 +51,14 @@ from vegaserve.triton_kernels.attention_common import (
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
     pos_ptr, cos_ptr, sin_ptr, new_slot_ptr, kn_ptr, vn_ptr,  # ROPE: the new token's rotation and store
+    q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
     qk_scale, num_partitions,  # scalars
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
     stride_kns, stride_knh, stride_vns, stride_vnh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
     DOT_F32: tl.constexpr, SINGLE: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-    PDL: tl.constexpr,
+    Q8: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     seq = tl.program_id(0)
@@ -119,7 +123,14 @@ def _decode_split_kernel(
     o = acc / l_safe[:, None]
     if SINGLE:
         dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)
+        o = o.to(out_ptr.dtype.element_ty)
+        tl.store(dst, o, mask=qmask)
+        if Q8:  # the group's heads, HEAD_DIM / 32 blocks each (BLOCK_D == HEAD_DIM); padding rows not stored
+            per: tl.constexpr = HEAD_DIM // 32
+            xb = tl.reshape(o.to(tl.float32), [BLOCK_G * per, 32])
+            hb = tl.reshape(heads[:, None] * per + tl.arange(0, per)[None, :], [BLOCK_G * per])
+            live = tl.reshape(tl.broadcast_to((g < GROUP)[:, None], [BLOCK_G, per]), [BLOCK_G * per])
+            _store_q8_1_row(xb, hb, live, q8_ptr, q8d_ptr, q8s_ptr, seq, tl.num_programs(1) * GROUP * HEAD_DIM)
     else:
         row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part  # [S, H, P]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
@@ -162,9 +173,11 @@ def rotate(rows, d, mask, angles):
 @triton.jit
 def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
+    q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
     num_partitions,  # sizes
     stride_os, stride_oh,  # strides
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,  # meta
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, Q8: tl.constexpr,
+    PDL: tl.constexpr,  # meta
 ):
     pdl.let_next_start(PDL)
     pdl.wait_for_inputs(PDL)
@@ -189,9 +202,21 @@ def _decode_combine_kernel(
                     mask=pmask[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         wsum += w
-    out = acc / tl.sum(wsum, 0)
+    out = (acc / tl.sum(wsum, 0)).to(out_ptr.dtype.element_ty)
     dst = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    tl.store(dst, out, mask=dmask)
+    if Q8:  # the head's HEAD_DIM / 32 blocks (BLOCK_D == HEAD_DIM)
+        per: tl.constexpr = HEAD_DIM // 32
+        hb = head * per + tl.arange(0, per)
+        _store_q8_1_row(tl.reshape(out.to(tl.float32), [per, 32]), hb, hb >= 0, q8_ptr, q8d_ptr, q8s_ptr, seq,
+                        tl.num_programs(1) * HEAD_DIM)
+
+
+@triton.jit
+def _store_q8_1_row(xb, blk, live, q8_ptr, q8d_ptr, q8s_ptr, seq, width):
+    """Blocks blk of sequence seq's output row (width elements) into its q8_1 copy."""
+    row = seq.to(tl.int64) * width
+    store_q8_1_blocks(xb, blk, live, q8_ptr + row, q8d_ptr + row // 32, q8s_ptr + row // 32)
 
 
 @lru_cache(maxsize=8)
@@ -219,13 +244,16 @@ class NewToken(NamedTuple):
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
-                     out: torch.Tensor | None = None, new: NewToken | None = None, **params: Any) -> torch.Tensor:
+                     out: torch.Tensor | None = None, new: NewToken | None = None, q8_1: bool = False,
+                     **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
     """q [S, H, D]: the one new token of each sequence (its k/v already in the cache); block_tables
     [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
     so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
     `new`: q and the new k are not rotated yet and k/v not in the cache: the kernel rotates q and k as
     fused.rope does (the same roundings), every program takes the new k/v into its tile from registers,
-    and the program whose partition holds the new position stores them as rope's cache store would."""
+    and the program whose partition holds the new position stores them as rope's cache store would.
+    `q8_1`: (out, its q8_1 copy as rows [S, H * D]), the bytes quantize_q8_1 of out gives, written by the
+    kernel that writes out (the o_proj's int8 mat-vec then needs no quantize launch of its own)."""
     H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     S = q.shape[0]
     if seq_lens.shape[0] != S:
@@ -255,25 +283,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     single = n_part == 1
+    fused_q8 = q8_1 and block_d == D and D % 32 == 0  # each program's heads are whole q8_1 blocks
+    q8 = q8_1_buffers(S, H * D, q.device) if fused_q8 else (out,) * 3
     part_o = out if single else torch.empty(S, H, n_part, D, dtype=torch.float32, device=q.device)
     part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, KV, n_part)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *rope_args,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *rope_args, *q8,
         scale * LOG2E, n_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_strides,
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, ROPE=new is not None,
-        ROT=new.rope_dim if new is not None else 0, NEOX=bool(new is not None and new.neox),
+        ROT=new.rope_dim if new is not None else 0, NEOX=bool(new is not None and new.neox), Q8=fused_q8,
         **opts, **pdl.launch_args(q.device),
     )
     if not single:
         _decode_combine_kernel[(S, H)](
-            part_o, part_lse, out, n_part, out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d,
+            part_o, part_lse, out, *q8, n_part, out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d, Q8=fused_q8,
             **pdl.launch_args(q.device),
         )
-    return out
+    if not q8_1:
+        return out
+    return out, q8 if fused_q8 else quantize_q8_1(out.reshape(S, H * D))
 
 
 def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

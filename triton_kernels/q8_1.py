@@ -3,8 +3,8 @@ codes q, the scale d and d * sum(q), as ggml's quantize_row_q8_1 and gguf's Q8_0
 (d = amax / 127, q = x / d rounded half away from zero).
 
 `quantize_q8_1` is one launch over x; `store_q8_1` is the same quantization inside another kernel, which
-writes the q8_1 copy of an output it has just computed (fused.py: RMSNorm and SiLU-mul), so a decode layer
-spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
+writes the q8_1 copy of an output it has just computed (fused.py: RMSNorm and SiLU-mul; attention_decode.py:
+the attention's output), so a decode layer spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
 element; tests/triton_kernels/test_matvec_int8.py).
 """
 
@@ -23,10 +23,15 @@ Q8_1 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (int8 [M, K], d f32 [M
 def store_q8_1(x, b, q_ptr, d_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
     """Quantize x [BLOCKS * 32] f32, which holds blocks b .. b + BLOCKS - 1 of a row (b a scalar), into that
     row's q8_1 (q_ptr, d_ptr, s_ptr already at the row); blocks at n_blocks and past are not stored."""
-    xb = tl.reshape(x, [BLOCKS, 32])
     blk = b + tl.arange(0, BLOCKS)
+    store_q8_1_blocks(tl.reshape(x, [BLOCKS, 32]), blk, blk < n_blocks, q_ptr, d_ptr, s_ptr)
+
+
+@triton.jit
+def store_q8_1_blocks(xb, blk, live, q_ptr, d_ptr, s_ptr):
+    """Quantize the blocks xb [B, 32] f32 into q8_1 block numbers blk [B] of the row at q_ptr, d_ptr,
+    s_ptr; blocks where live [B] is false are not stored (a kernel's padding rows)."""
     e = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    live = blk < n_blocks
     d = tl.max(tl.abs(xb), axis=1) / 127.0
     inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
     v = xb * inv[:, None]

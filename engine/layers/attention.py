@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.layers.norm import Q8_1
 
 
 # GPU architectures (ROCm names) that compute in bf16 natively; the others (gfx906, gfx908, RDNA1/2) get f16
@@ -61,12 +62,13 @@ def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, f
 
 
 def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, rope, layer: int, cache: KVCache, batch: ForwardBatch,
-                          scale: float, n_heads: int) -> torch.Tensor | None:
+                          scale: float, n_heads: int, want_q8_1: bool = False) -> tuple[torch.Tensor, Q8_1 | None] | None:
     """A decode step on a GPU (every sequence brings one token): the rotation of q and k, the cache store
     of k/v and the attention in the decode kernel's launch (triton_kernels/attention_decode.py NewToken),
     where rope and then the attention took one launch more. qk [T, H + KV, D] as the qkv mat-vec left it
-    (q's heads, then k's), v [T, KV, D], rope the RotaryEmbedding. Returns [T, H, D], or None where this
-    does not apply (a CPU, a prefill or mixed batch): the caller rotates and attends apart. A model takes
+    (q's heads, then k's), v [T, KV, D], rope the RotaryEmbedding. Returns ([T, H, D], its q8_1 as
+    cached_attention's), or None where this does not apply (a CPU, a prefill or mixed batch): the caller
+    rotates and attends apart. A model takes
     this path only with kernels.decode_rope (VEGASERVE_DECODE_ROPE=1), off by default: it has run under
     the interpreter, not yet been timed on a GPU (docs/PERF.md, sixth sitting)."""
     if qk.device.type != "cuda" or batch.attention.max_query_len != 1:
@@ -75,27 +77,35 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, rope, layer: int, c
 
     a = batch.attention
     new = NewToken(qk[:, n_heads:], v, batch.positions, a.new_slots, rope.cos, rope.sin, rope.rope_dim, rope.neox)
-    return decode_attention(qk[:, :n_heads], cache.k[layer], cache.v[layer], a.block_tables, a.seq_lens, scale,
-                            a.page_size, a.max_seq_len, new=new)
+    out = decode_attention(qk[:, :n_heads], cache.k[layer], cache.v[layer], a.block_tables, a.seq_lens, scale,
+                           a.page_size, a.max_seq_len, new=new, q8_1=want_q8_1)
+    return _with_q8_1(out, want_q8_1)
 
 
 def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
-    stored: bool = False,
-) -> torch.Tensor:
+    stored: bool = False, want_q8_1: bool = False,
+) -> tuple[torch.Tensor, Q8_1 | None]:
     """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache unless `stored` (the
-    rotation wrote them, kv_store); returns [T, H, D]."""
+    rotation wrote them, kv_store); returns ([T, H, D], its q8_1 copy [T, H * D] or None). The copy comes
+    where `want_q8_1` (the o_proj's QuantLinear.wants_q8_1) and the GPU's decode kernel wrote it with the
+    output, in place of the o_proj's own quantize launch; elsewhere None, and the o_proj quantizes."""
     # ROCm builds of torch name HIP devices "cuda" as well; a batch without slot lists (a decode graph's
     # static batch, engine/cuda_graphs.py) has only the kernels' inputs
     if q.device.type == "cuda" or not batch.seqs:
-        return paged_attention(q, k, v, layer, cache, batch, scale, stored)
-    return torch_attention(q, k, v, layer, cache, batch, scale)
+        return paged_attention(q, k, v, layer, cache, batch, scale, stored, want_q8_1)
+    return torch_attention(q, k, v, layer, cache, batch, scale), None
+
+
+def _with_q8_1(out, want_q8_1: bool) -> tuple[torch.Tensor, Q8_1 | None]:
+    """A kernel entry's return (out, or (out, q8_1) where asked) as (out, q8_1 or None)."""
+    return out if want_q8_1 else (out, None)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
-    stored: bool = False,
-) -> torch.Tensor:
+    stored: bool = False, want_q8_1: bool = False,
+) -> tuple[torch.Tensor, Q8_1 | None]:
     """cached_attention through the Triton kernels: decode when every sequence brings one token, else the
     prefill kernel for the whole (possibly mixed) batch."""
     from vegaserve.triton_kernels.attention import attend, write_kv  # Triton only where the kernels run
@@ -104,8 +114,9 @@ def paged_attention(
     kc, vc = cache.k[layer], cache.v[layer]
     if not stored:
         write_kv(kc, vc, a.new_slots, k, v)
-    return attend(q, kc, vc, a.block_tables, a.seq_lens, a.query_start, scale, a.page_size, a.max_seq_len,
-                  a.max_query_len)
+    out = attend(q, kc, vc, a.block_tables, a.seq_lens, a.query_start, scale, a.page_size, a.max_seq_len,
+                 a.max_query_len, q8_1=want_q8_1)
+    return _with_q8_1(out, want_q8_1)
 
 
 def torch_attention(

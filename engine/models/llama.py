@@ -109,10 +109,12 @@ class DecoderLayer(nn.Module):
         # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer);
         # in a decode step the attention kernel rotates and stores them itself (one launch fewer again)
         a = None
+        want = self.o_proj.wants_q8_1(T)  # the attention's output in q8_1 too, written by its decode kernel
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
             qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
             if self.decode_rope:
-                a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads)
+                a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads,
+                                          want)
             if a is None:
                 store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
                 qk = rope(qk, batch.positions, store)
@@ -123,8 +125,10 @@ class DecoderLayer(nn.Module):
             store = kv_store(v, self.cache_layer, cache, batch, 0)
             q, k = rope(q, batch.positions), rope(k, batch.positions, store)
         if a is None:
-            a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
-        h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1))),
+            a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None,
+                                 want_q8_1=want)
+        a, aq = a
+        h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1), aq)),
                                              self.gate_up.wants_q8_1(T))
         return h, self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T))))
 

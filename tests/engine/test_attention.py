@@ -79,7 +79,8 @@ def test_paged_attention_equals_torch_attention(plan, block_size):
     q = torch.randn(T, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(T, KV, HEAD_DIM, generator=gen)
     v = torch.randn(T, KV, HEAD_DIM, generator=gen)
-    got = paged_attention(q, k, v, 1, kernel_cache, fb, SCALE)
+    got, none = paged_attention(q, k, v, 1, kernel_cache, fb, SCALE)
+    assert none is None  # no q8_1 copy unless asked
     want = torch_attention(q, k, v, 1, torch_cache, fb, SCALE)
     assert torch.isfinite(got).all()
     assert float((got - want).norm() / want.norm()) < 1e-5
@@ -93,5 +94,6 @@ def test_cached_attention_on_a_cpu_is_the_torch_path():
     caches = [KVCache(1, 160, KV, HEAD_DIM, torch.float32, torch.device("cpu")) for _ in range(2)]
     T = fb.input_ids.numel()
     q, k, v = (torch.randn(T, h, HEAD_DIM, generator=gen) for h in (HEADS, KV, KV))
-    got = cached_attention(q, k, v, 0, caches[0], fb, SCALE)
+    got, none = cached_attention(q, k, v, 0, caches[0], fb, SCALE, want_q8_1=True)
+    assert none is None  # the torch path writes no q8_1 copy: the o_proj quantizes for itself
     assert torch.equal(got, torch_attention(q, k, v, 0, caches[1], fb, SCALE))

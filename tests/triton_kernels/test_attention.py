@@ -145,6 +145,50 @@ def test_decode_with_the_new_token_rotates_and_stores_it_as_rope_then_attention(
                          new=new._replace(slots=slots[:2]))
 
 
+@pytest.mark.parametrize("head_dim,partition,dtype", [(64, 32, torch.float32), (64, 128, torch.float16),
+                                                     (48, 32, torch.float32)],
+                         ids=["combine-f32", "one-partition-f16", "d48-quantize-launch"])
+@pytest.mark.parametrize("with_new", [False, True], ids=["cached", "new-token"])
+def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monkeypatch, head_dim, partition,
+                                                                            dtype, with_new):
+    """q8_1=True: the output is the same bits as without it, and the q8_1 copy (buffers poisoned: q 77, d and
+    s NaN) equals quantize_q8_1 of that output, code for code and scale for scale: written by the combine
+    (partitions of 32), by the split kernel (one partition), or, where a head is not whole q8_1 blocks of
+    its tile (head_dim 48 in a 64-wide tile), by a quantize launch after it."""
+    from vegaserve.engine.layers.rotary import RotaryEmbedding
+    from vegaserve.engine.models.arch_config import RopeScaling
+    from vegaserve.triton_kernels import attention_decode
+    from vegaserve.triton_kernels.attention_decode import NewToken
+    from vegaserve.triton_kernels.q8_1 import q8_1_buffers, quantize_q8_1
+
+    def poisoned(M, K, device):
+        q, d, sums = q8_1_buffers(M, K, device)
+        return q.fill_(77), d.fill_(float("nan")), sums.fill_(float("nan"))
+
+    monkeypatch.setattr(attention_decode, "q8_1_buffers", poisoned)
+    group = 4
+    H, S = group * KV, len(DECODE_LENS)
+    k, v, tables, gen = paged_cache(DECODE_LENS, head_dim, dtype, seed=21)
+    seq_lens, _ = query_layout(DECODE_LENS, [1] * S)
+    q = torch.randn(S, H + KV, head_dim, generator=gen).to(dtype).to(DEVICE)
+    new = None
+    if with_new:
+        positions = (seq_lens - 1).long()
+        slots = torch.stack([tables[i, int(p) // PAGE].long() * PAGE + int(p) % PAGE for i, p in enumerate(positions)])
+        rot = RotaryEmbedding(head_dim, head_dim, 10000.0, 128, RopeScaling(), True)
+        new_v = torch.randn(S, KV, head_dim, generator=gen).to(dtype).to(DEVICE)
+        new = NewToken(q[:, H:], new_v, positions, slots, rot.cos.to(DEVICE), rot.sin.to(DEVICE), head_dim, True)
+    args = (q[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS))
+    plain = decode_attention(*args, out=nan_like(q[:, :H]), new=new, block_n=16, partition=partition)
+    out, (codes, d, sums) = decode_attention(*args, out=nan_like(q[:, :H]), new=new, block_n=16, partition=partition,
+                                             q8_1=True)
+    assert torch.equal(out, plain)
+    want = quantize_q8_1(out.reshape(S, -1))
+    assert torch.equal(codes, want[0])
+    assert torch.equal(d, want[1]) and torch.equal(sums, want[2])
+    assert bool((codes != 0).any())  # a real activation, not a copy of zeros
+
+
 # ----------------------------------------------------------------------------------------------- prefill
 
 # (cached, new): a whole prompt, a chunk after 21 cached, decode tokens at 12 and at 0, a chunk that ends
@@ -231,9 +275,10 @@ def test_attend_takes_decode_for_one_token_batches_and_prefill_otherwise():
     for rows in ([1, 1], news):
         seq_lens, qstart = query_layout(lens, rows)
         q = torch.randn(sum(rows), 2, 64, generator=gen).to(DEVICE)
-        out = attend(q, k, v, tables, seq_lens, qstart, SCALE, PAGE, max(lens), max(rows), out=nan_like(q),
-                     block_n=16, partition=16, block_m=16)
+        out, q8 = attend(q, k, v, tables, seq_lens, qstart, SCALE, PAGE, max(lens), max(rows), out=nan_like(q),
+                         block_n=16, partition=16, block_m=16, q8_1=True)
         assert rel_err(out, reference_attend(q, k, v, tables, seq_lens, qstart, SCALE, PAGE)) < 1e-5
+        assert (q8 is None) == (max(rows) > 1)  # the decode kernel writes the q8_1 copy, the prefill one not
 
 
 def test_unsupported_shapes_and_types_are_refused_before_launch():
