@@ -99,6 +99,11 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _row(cells: tuple[str, ...]) -> None:
+    """One table row, printed as soon as it is measured (a run cut short keeps what it had)."""
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model")
@@ -128,14 +133,14 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - t0:.1f} s; KV {worker.cache.k.dtype}; graphs {graphs.buckets if graphs else None}")
     g = torch.Generator().manual_seed(0)
     result: dict[str, object] = {"model": args.model, "kv_dtype": str(worker.cache.k.dtype)}
-    rows = []
+    print("| test | mode | median tok/s | runs |\n|---|---|---|---|")
     if graphs is not None:  # the two modes must agree before their speeds mean anything
         replayed = greedy_tokens(core, 3, 32, seed=1)
         worker.graphs = None
         eager = greedy_tokens(core, 3, 32, seed=1)
         same = sum(a == b for a, b in zip(replayed, eager, strict=True))
         result["greedy_identical_streams"] = same
-        rows.append(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
+        _row(("32 greedy tokens x 3 streams", "graphs vs eager", f"{same}/3 identical", ""))
     for mode in args.modes.split(","):
         worker.graphs = graphs if mode == "graphs" else None
         if mode == "graphs" and graphs is None:
@@ -144,18 +149,15 @@ def main() -> None:
             rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
             med = statistics.median(rates)
             result[f"tg{args.gen}_{mode}_x{n}"] = med
-            rows.append((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
+            _row((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))
         ms, outside = step_profile(core, args.profile_steps, g, args.host_table if mode == "graphs" else None)
         result[f"step_ms_{mode}"], result[f"outside_kernels_{mode}"] = ms, outside
-        rows.append(("decode step, 1 stream", mode, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
+        _row(("decode step, 1 stream", mode, f"{ms:.3f} ms", f"{100 * outside:.1f}% outside kernels"))
     worker.graphs = graphs
     if args.pp:
         pps = [args.pp / _timed_request(core, args.pp, 1, g)[0] for _ in range(args.runs + 1)][1:]
         result[f"pp{args.pp}"] = statistics.median(pps)
-        rows.append((f"pp{args.pp}", "-", f"{statistics.median(pps):.0f}", " ".join(f"{r:.0f}" for r in pps)))
-    print("| test | mode | median tok/s | runs |\n|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+        _row((f"pp{args.pp}", "-", f"{statistics.median(pps):.0f}", " ".join(f"{r:.0f}" for r in pps)))
     print(json.dumps(result))
     core.close()
 
