@@ -868,8 +868,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
     several matmuls of one activation share. carry 1: each tile's loads are issued at the end of the
-    iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers);
-    2 (mma 2 only): the two tiles after the current one in flight.
+    iteration before and carried into it; 0: loaded at the top of their own iteration (fewer registers).
     flat 1 (32-element types): each row's quant words of a tile in one contiguous load, which puts the
     lanes of a warp along the row (flat 0: a [rows, blocks, 4] load, whose lanes Triton 3.6 lays across 16
     rows, a cache line each; the default except for Q8_0 at M > 1). Q4_K: pieces 1 (the default at M = 1)
@@ -895,8 +894,6 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     mma = plan.params.get("mma", 0)
     if plan.params.get("stream", 0) and mma != 2:
         raise ValueError("stream 1 is the lanes kernels' (mma 2)")
-    if plan.params.get("carry", 1) not in (0, 1, 2) or (plan.params.get("carry", 1) == 2 and mma != 2):
-        raise ValueError(f"carry is 0 or 1, or 2 in the lanes kernels (mma 2); got {plan.params.get('carry')}")
     if mma and torch.version.hip:
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     if mma == 2:

@@ -320,8 +320,7 @@ def lanes_kernel(
     scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
     nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
     DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
-    before this one's products; 2: the next two tiles' (twice the bytes in flight a warp, one more tile's
-    registers). STREAM 1: the weights are read past the L1 (mma_lanes.weight)."""
+    before this one's products. STREAM 1: the weights are read past the L1 (mma_lanes.weight)."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
     QK: tl.constexpr = 32 if KIND == 0 else 256
@@ -345,14 +344,21 @@ def lanes_kernel(
     acc = zero_acc(R, W)
     if CARRY:
         tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)
-    if CARRY == 2:
-        ptrs = _moved(ptrs, steps, 1 < n_iter, R, CARRY)
-        ahead = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)
     for it in range(0, n_iter):
         if not CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)
         pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
-        ptrs = _moved(ptrs, steps, it + CARRY < n_iter, R, CARRY)
+        more = it + 1 < n_iter
+        moved = ()
+        for j in tl.static_range(2 * R):
+            row = ()
+            for p in tl.static_range(len(steps)):
+                if CARRY:  # after the last tile the extra loads read it again instead of past the split
+                    row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
+                else:
+                    row = row + (ptrs[j][p] + steps[p],)
+            moved = moved + (row,)
+        ptrs = moved
         if KIND == 1:
             acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
         elif KIND == 2:
@@ -362,26 +368,7 @@ def lanes_kernel(
         xp += PER
         dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
         sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
-        if CARRY == 2:
-            tile = ahead
-            ahead = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)  # the loads of the tile after next
-        elif CARRY:
+        if CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
-
-
-@triton.jit
-def _moved(ptrs, steps, more, R: tl.constexpr, CARRY: tl.constexpr):
-    """The planes' pointers a tile on. With CARRY, only while `more` (a tile to load remains): after the
-    last one the extra loads read it again instead of past the split."""
-    moved = ()
-    for j in tl.static_range(2 * R):
-        row = ()
-        for p in tl.static_range(len(steps)):
-            if CARRY:
-                row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
-            else:
-                row = row + (ptrs[j][p] + steps[p],)
-        moved = moved + (row,)
-    return moved

@@ -194,22 +194,6 @@ def test_lanes_kernels_that_stream_their_weights_match_the_reference(name):
                            mma=2, stream=1)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4"])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_lanes_kernels_with_two_tiles_in_flight_match_the_reference(name, split_k):
-    """carry 2: the two tiles after the current one loaded ahead, over 2 to 8 iterations a program (K 1024,
-    split 1 and 2; the last iterations re-read the last tile instead of reading past the split)."""
-    _matches_the_reference(name, 37, 1024, (1, 8), 22, block_n=32, nb=4 if name in ("Q4_K", "Q6_K") else 2,
-                           split_k=split_k, num_warps=1, carry=2, mma=2)
-
-
-def test_two_tiles_in_flight_are_refused_outside_the_lanes_kernels():
-    tid = IDS["Q4_0"]
-    w = repack(random_blocks(tid, 16, 8, torch.Generator().manual_seed(23)), tid, 16, 256)
-    with pytest.raises(ValueError, match="carry is 0 or 1, or 2 in the lanes kernels"):
-        matvec_int8(torch.randn(1, 256), w, block_n=16, nb=2, carry=2)
-
-
 def test_stream_is_refused_outside_the_lanes_kernels():
     tid = IDS["Q8_0"]
     w = repack(random_blocks(tid, 16, 8, torch.Generator().manual_seed(23)), tid, 16, 256)
