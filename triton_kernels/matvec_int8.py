@@ -842,7 +842,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
         # (matvec_mma.py)
         kind = {Q4_K: Q4_K_LANES, Q6_K: Q6_K_LANES}.get(type_id, BLOCK_LANES)
         return lanes_kernel, {"WORDS": 4, "TABLE": 0, "E8M0": False, **type_args, "W": params["num_warps"],
-                              "KIND": kind, "STREAM": params.get("stream", 0)}
+                              "KIND": kind}
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}
@@ -863,7 +863,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
-                mma: int | None = None, unpack: int | None = None, stream: int | None = None,
+                mma: int | None = None, unpack: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
@@ -880,20 +880,17 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     takes; for the 32-element types a tile of one block, nb 1 or a row of an odd number of blocks, runs
     the dp4a kernel instead); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
-    stream 1 (mma 2 only): the weights are read past the L1 (from L2), which keeps x and its q8_1 scales
-    for every warp of the SM. mma, unpack and stream are the tuning file's choice per shape (on the H200:
-    mma 2 at M = 8 of 28672x4096 and 4096x14336).
+    mma and unpack 1 are the tuning file's choice per shape (on the H200: mma 2 at M = 8 of 28672x4096
+    and 4096x14336).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
     `out`: where y goes (Launch.outputs: at M = 1 a column slice of a wider output, so the matrices of one
     activation with different types write one output without a cat)."""
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
-                                                        "unpack": unpack, "stream": stream})
+                                                        "unpack": unpack})
     M, K = x.shape
     mma = plan.params.get("mma", 0)
-    if plan.params.get("stream", 0) and mma != 2:
-        raise ValueError("stream 1 is the lanes kernels' (mma 2)")
     if mma and torch.version.hip:
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     if mma == 2:

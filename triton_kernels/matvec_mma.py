@@ -59,17 +59,16 @@ from vegaserve.triton_kernels.mma_lanes import (
     mma_16x8x32,
     scaled,
     store_lanes,
-    weight,
     zero_acc,
 )
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 @triton.jit
-def _q4_k_rows_tile(hp, qp, DOT: tl.constexpr, STREAM: tl.constexpr):
+def _q4_k_rows_tile(hp, qp, DOT: tl.constexpr):
     """One lane's loads of a super-block for one row, 16 bytes each: bytes 16t.. of each 64-byte half of
     the quants (chunk 2e + t // 2 of half e, its bytes 16 (t % 2)..: mma_lanes.exchange_halves) and the
     16-byte head record (d and dmin, scale words a, b, c)."""
-    return load16(qp, DOT, STREAM), load16(qp + 64, DOT, STREAM), load16(hp, DOT, STREAM)
+    return load16(qp, DOT), load16(qp + 64, DOT), load16(hp, DOT)
 
 
 @triton.jit
@@ -117,17 +116,17 @@ def _q4_k_products(tile, acc, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexp
 
 
 @triton.jit
-def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr, STREAM: tl.constexpr):
+def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
     """One lane's loads of NB blocks of one row: the quant bytes (WORDS 8: 8 bytes at 8t of each block's 32;
     4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow. (Q8_0 in 16-byte
     loads and exchange_halves, as Q4_K, measured slower: docs/PERF.md, eighth sitting.)"""
     q = ()
     for b in tl.static_range(NB):
         if WORDS == 8:
-            q = q + (weight((qp + 32 * b).to(tl.pointer_type(tl.int64)), STREAM),)
+            q = q + (tl.load((qp + 32 * b).to(tl.pointer_type(tl.int64))),)
         else:
-            q = q + (weight((qp + 16 * b).to(tl.pointer_type(tl.int32)), STREAM),)
-    return q, byte_words(dp, NB * (1 if E8M0 else 2), STREAM)
+            q = q + (tl.load((qp + 16 * b).to(tl.pointer_type(tl.int32))),)
+    return q, byte_words(dp, NB * (1 if E8M0 else 2))
 
 
 @triton.jit
@@ -198,18 +197,17 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
 
 
 @triton.jit
-def _q6_k_rows_tile(qlp, qhp, sp, dp, STREAM: tl.constexpr):
+def _q6_k_rows_tile(qlp, qhp, sp, dp):
     """One lane's loads of a Q6_K super-block for one row: the ql words at 64h + 32p + 16u + 4t (index
     4h + 2p + u), the qh words at 32h + 16u + 4t (2h + u), the 16 scale bytes (4 words) and d."""
     ql = ()
     for i in tl.static_range(8):
-        ql = ql + (weight((qlp + 64 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32)),
-                          STREAM),)
+        ql = ql + (tl.load((qlp + 64 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
     qh = ()
     for i in tl.static_range(4):
-        qh = qh + (weight((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32)), STREAM),)
-    d = weight(dp.to(tl.pointer_type(tl.float16)), STREAM).to(tl.float32)
-    return ql, qh, byte_words(sp, 16, STREAM), d
+        qh = qh + (tl.load((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return ql, qh, byte_words(sp, 16), d
 
 
 @triton.jit
@@ -292,17 +290,17 @@ def _plane_steps(b0, b1, b2, b3, KIND: tl.constexpr, NB: tl.constexpr, SIZE: tl.
 
 @triton.jit
 def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr,
-          DOT: tl.constexpr, STREAM: tl.constexpr):
+          DOT: tl.constexpr):
     """The loads of one tile for each of the lane's 2R rows (group j: rows g + 16 j, then + 8)."""
     tile = ()
     for j in tl.static_range(2 * R):
         p = ptrs[j]
         if KIND == 1:
-            tile = tile + (_q4_k_rows_tile(p[0], p[1], DOT, STREAM),)
+            tile = tile + (_q4_k_rows_tile(p[0], p[1], DOT),)
         elif KIND == 2:
-            tile = tile + (_q6_k_rows_tile(p[0], p[1], p[2], p[3], STREAM),)
+            tile = tile + (_q6_k_rows_tile(p[0], p[1], p[2], p[3]),)
         else:
-            tile = tile + (_legacy_rows_tile(p[0], p[1], NB, WORDS, E8M0, STREAM),)
+            tile = tile + (_legacy_rows_tile(p[0], p[1], NB, WORDS, E8M0),)
     return tile
 
 
@@ -313,14 +311,14 @@ def lanes_kernel(
     N, K, blocks_per_split,  # blocks of the type (super-blocks of 256 for the K-quants)
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
-    TABLE: tl.constexpr, E8M0: tl.constexpr, STREAM: tl.constexpr,
+    TABLE: tl.constexpr, E8M0: tl.constexpr,
 ):
     """1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp). KIND 1:
     Q4_K (fields dm, scales as one head record, qs), one super-block an iteration; 2: Q6_K (ql, qh,
     scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
     nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
     DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
-    before this one's products. STREAM 1: the weights are read past the L1 (mma_lanes.weight)."""
+    before this one's products."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
     QK: tl.constexpr = 32 if KIND == 0 else 256
@@ -343,10 +341,10 @@ def lanes_kernel(
     sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = zero_acc(R, W)
     if CARRY:
-        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)
+        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
         pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         moved = ()
@@ -369,6 +367,6 @@ def lanes_kernel(
         dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
         sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
         if CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT, STREAM)  # the next tile's loads
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)

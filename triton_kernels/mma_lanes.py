@@ -100,35 +100,16 @@ def mma_16x8x16(a0, a1, b0, W: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def weight(ptr, STREAM: tl.constexpr):
-    """A load of weight bytes: STREAM 1 past the L1 (ld.global.cg: from L2), which then keeps x and its
-    q8_1 scales, read by every warp of the SM, instead of weight bytes that are read once."""
-    if STREAM:
-        return tl.load(ptr, cache_modifier=".cg")
-    else:
-        return tl.load(ptr)
-
-
-@triton.jit
-def _vector_load(ptr, ASM: tl.constexpr):
-    """One 16-byte load instruction ASM (its 4 words $0-$3, the address $4) at ptr, as 4 int32."""
-    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,l", [ptr.to(tl.pointer_type(tl.int32))],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def load16(ptr, DOT: tl.constexpr, STREAM: tl.constexpr = 0):
+def load16(ptr, DOT: tl.constexpr):
     """The 16 bytes at ptr (16-byte aligned) in each lane as 4 int32 words, one 16-byte load (DOT 1; Triton
-    gives a one-value-a-lane tensor no wider load than its element) or 4 loads of 4 (its emulation);
-    STREAM as weight's."""
+    gives a one-value-a-lane tensor no wider load than its element) or 4 loads of 4 (its emulation)."""
     if DOT == 1:
-        if STREAM:
-            return _vector_load(ptr, "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];")
-        else:
-            return _vector_load(ptr, "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];")
+        return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                         [ptr.to(tl.pointer_type(tl.int32))],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         w = ptr.to(tl.pointer_type(tl.int32))
-        return weight(w, STREAM), weight(w + 1, STREAM), weight(w + 2, STREAM), weight(w + 3, STREAM)
+        return tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3)
 
 
 @triton.jit
@@ -182,17 +163,16 @@ def f32_run(ptr, live, COUNT: tl.constexpr):
 
 
 @triton.jit
-def byte_words(ptr, NBYTES: tl.constexpr, STREAM: tl.constexpr = 0):
-    """NBYTES (2, 4 or a multiple of 8) bytes of weights at ptr (aligned to their size, 8 at most) as int32
-    words (STREAM: weight's)."""
+def byte_words(ptr, NBYTES: tl.constexpr):
+    """NBYTES (2, 4 or a multiple of 8) bytes at ptr (aligned to their size, 8 at most) as int32 words."""
     if NBYTES == 2:
-        return (weight(ptr.to(tl.pointer_type(tl.int16)), STREAM).to(tl.int32),)
+        return (tl.load(ptr.to(tl.pointer_type(tl.int16))).to(tl.int32),)
     elif NBYTES == 4:
-        return (weight(ptr.to(tl.pointer_type(tl.int32)), STREAM),)
+        return (tl.load(ptr.to(tl.pointer_type(tl.int32))),)
     else:
         out = ()
         for i in tl.static_range(NBYTES // 8):
-            out = out + halves(weight((ptr + 8 * i).to(tl.pointer_type(tl.int64)), STREAM))
+            out = out + halves(tl.load((ptr + 8 * i).to(tl.pointer_type(tl.int64))))
         return out
 
 

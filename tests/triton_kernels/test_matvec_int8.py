@@ -186,21 +186,6 @@ def test_lanes_kernels_refuse_a_block_n_their_warps_cannot_split():
         matvec_int8(torch.randn(2, 256), w, block_n=32, nb=8, num_warps=4, mma=2)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "IQ4_NL"])
-def test_lanes_kernels_that_stream_their_weights_match_the_reference(name):
-    """stream 1 changes only the weight loads' cache operator (the compile test checks the PTX); the
-    products stay the reference's, through every load helper that takes it."""
-    _matches_the_reference(name, 37, 512, (1, 8), 22, block_n=32, nb=4, split_k=2, num_warps=1, carry=1,
-                           mma=2, stream=1)
-
-
-def test_stream_is_refused_outside_the_lanes_kernels():
-    tid = IDS["Q8_0"]
-    w = repack(random_blocks(tid, 16, 8, torch.Generator().manual_seed(23)), tid, 16, 256)
-    with pytest.raises(ValueError, match="stream 1 is the lanes kernels"):
-        matvec_int8(torch.randn(2, 256), w, block_n=16, nb=8, num_warps=4, mma=0, stream=1)
-
-
 @pytest.mark.parametrize("name", ["Q8_0", "MXFP4"])  # 2-byte and 1-byte scale records
 @pytest.mark.parametrize("k, nb, lanes", [(384, 8, True), (256, 1, False), (96, 2, False)],
                          ids=["tile-of-4", "nb-1", "odd-row"])

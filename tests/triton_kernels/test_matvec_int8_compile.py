@@ -175,27 +175,3 @@ def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compil
             groups = int(block_n) // (16 * int(warps))
             assert int(rest) == groups, (name, warps, block_n, rest)
     assert len(seen) == 18
-
-
-STREAM = SM90 + r"""
-for name in ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL"):
-    for stream in (0, 1):
-        fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4, "stream": stream})
-        ptx = sm90(fn, dict(M=8, BLOCK_N=64, NB=4, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=1, PDL=False, **type_args),
-                   4)["ptx"]
-        loads = re.findall(r"\bld\.global\.[\w.]*", ptx)
-        print(name, stream, len(loads), sum(".cg" in ld for ld in loads))
-print("compiled")
-"""
-
-
-def test_lanes_kernels_stream_only_their_weights_past_the_l1(offline_compile):
-    """stream 1 (mma 2): the weight loads become ld.global.cg (L2 only) and nothing else changes: the same
-    number of global loads as stream 0, which has none .cg at a split of 1 (no partial sums to read), and
-    some loads (x and its q8_1 scales) still cached in L1."""
-    out = offline_compile(STREAM, "cuda", "90", 32)
-    rows = {(name, int(s)): (int(n), int(cg)) for name, s, n, cg in
-            (line.split() for line in out.splitlines() if line != "compiled")}
-    for name in ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL"):
-        (n0, cg0), (n1, cg1) = rows[name, 0], rows[name, 1]
-        assert cg0 == 0 and n0 == n1 and 0 < cg1 < n1, (name, rows[name, 0], rows[name, 1])
