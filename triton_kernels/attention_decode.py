@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
-from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, store_q8_1_blocks
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
     attend_kv,
@@ -45,6 +44,7 @@ from vegaserve.triton_kernels.attention_common import (
     tile_slots,
     to_cache,
 )
+from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, store_q8_1_blocks
 
 
 @triton.jit

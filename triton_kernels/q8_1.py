@@ -2,9 +2,10 @@
 codes q, the scale d and d * sum(q), as ggml's quantize_row_q8_1 and gguf's Q8_0 quantizer compute them
 (d = amax / 127, q = x / d rounded half away from zero).
 
-`quantize_q8_1` is one launch over x; `store_q8_1` is the same quantization inside another kernel, which
-writes the q8_1 copy of an output it has just computed (fused.py: RMSNorm and SiLU-mul; attention_decode.py:
-the attention's output), so a decode layer spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
+`quantize_q8_1` is one launch over x; `store_q8_1` (a run of blocks) and `store_q8_1_blocks` (any blocks)
+are the same quantization inside another kernel, which writes the q8_1 copy of an output it has just
+computed (fused.py: RMSNorm and SiLU-mul; attention_decode.py: the attention's output), so a decode layer
+spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
 element; tests/triton_kernels/test_matvec_int8.py).
 """
 
