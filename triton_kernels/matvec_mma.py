@@ -49,14 +49,14 @@ from vegaserve.triton_kernels.flat_words import q4_k_scale_min
 from vegaserve.triton_kernels.int8_ops import lookup16, minus_32, pairs_order
 from vegaserve.triton_kernels.mma_lanes import (
     byte_words,
+    exchange_halves,
     f32_run,
     halves,
     lane_program,
-    exchange_halves,
     load16,
-    pair_offsets,
     mma_16x8x16,
     mma_16x8x32,
+    pair_offsets,
     scaled,
     store_lanes,
     zero_acc,
