@@ -88,8 +88,16 @@ def row_runs(base, off, rs, r64, start, LENGTH: tl.constexpr, PTR: tl.constexpr)
 def program_rows(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE: tl.constexpr):
     """This program's rows (for the store), rows clamped to N - 1 in int64 (for loads), first block of its
     K split and the number of tiles in it."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(1) * blocks_per_split
+    return program_rows_at(tl.program_id(0), tl.program_id(1), N, blocks_per_split, n_blocks, BLOCK_N,
+                           PER_TILE)
+
+
+@triton.jit
+def program_rows_at(pn, pk, N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE: tl.constexpr):
+    """program_rows of the program at (pn, pk) of a [row tiles, K splits] grid: a kernel that runs several
+    matrices in one launch (matvec_int8's pair kernel) maps its own program id there."""
+    rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = pk * blocks_per_split
     n_iter = (tl.minimum(first + blocks_per_split, n_blocks) - first) // PER_TILE
     return rows, tl.minimum(rows, N - 1).to(tl.int64), first, n_iter
 
@@ -106,6 +114,12 @@ def zero_rows(M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def store_rows(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLIT: tl.constexpr):
     """Rows `rows` of y [M, N], the group axis of each accumulator reduced once (store_split)."""
+    store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, tl.program_id(0), tl.program_id(1))
+
+
+@triton.jit
+def store_rows_at(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLIT: tl.constexpr, pn, pk):
+    """store_rows of the program at (pn, pk) (program_rows_at)."""
     values = ()
     index = ()
     live = ()
@@ -113,7 +127,7 @@ def store_rows(part_ptr, out_ptr, count_ptr, acc, M: tl.constexpr, N, rows, SPLI
         values = values + (tl.sum(acc[m], axis=1),)
         index = index + (m * N + rows,)
         live = live + (rows < N,)
-    store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
+    store_split_at(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT, pn, pk)
 
 
 @triton.jit
@@ -123,21 +137,29 @@ def store_split(part_ptr, out_ptr, count_ptr, values, index, live, MN, SPLIT: tl
     count_ptr[program_id(0)]; the last of the SPLIT to arrive sums the partials in split order (the same
     sum whatever the order of arrival) into y and sets the count back to 0 for the next launch. No second
     launch for the sum."""
+    store_split_at(part_ptr, out_ptr, count_ptr, values, index, live, MN, SPLIT, tl.program_id(0),
+                   tl.program_id(1))
+
+
+@triton.jit
+def store_split_at(part_ptr, out_ptr, count_ptr, values, index, live, MN, SPLIT: tl.constexpr, pn, pk):
+    """store_split of the program at (pn, pk): row tile pn counts in count_ptr[pn], split pk stores its
+    partial at part[pk]."""
     if SPLIT == 1:
         for i in tl.static_range(len(values)):
             tl.store(out_ptr + index[i], values[i], mask=live[i])
     else:
         for i in tl.static_range(len(values)):
-            tl.store(part_ptr + tl.program_id(1) * MN + index[i], values[i], mask=live[i])
+            tl.store(part_ptr + pk * MN + index[i], values[i], mask=live[i])
         tl.debug_barrier()  # every thread's partial is written before the count is taken (release, GPU scope)
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(count_ptr + pn, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             for i in tl.static_range(len(values)):
                 total = tl.load(part_ptr + index[i], mask=live[i], cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT):  # .cg: from L2, where the other programs' stores are
                     total += tl.load(part_ptr + s * MN + index[i], mask=live[i], cache_modifier=".cg")
                 tl.store(out_ptr + index[i], total, mask=live[i])
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+            tl.atomic_xchg(count_ptr + pn, 0)
 
 
 @triton.jit

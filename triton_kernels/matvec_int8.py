@@ -50,6 +50,7 @@ from vegaserve.triton_kernels.flat_words import (
     field,
     magic,
     program_rows,
+    program_rows_at,
     row_runs,
     q4_k_groups,
     q4_k_scale_decode,
@@ -59,13 +60,14 @@ from vegaserve.triton_kernels.flat_words import (
     q6_k_scales,
     split4,
     store_rows,
+    store_rows_at,
     zero_rows,
 )
 from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, dot4, lookup16, minus_32
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_flat import arrival_counts, plan_launch
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
-from vegaserve.triton_kernels.matvec_flat import plan_launch
 from vegaserve.triton_kernels.matvec_mma import BLOCK_LANES, Q4_K_LANES, Q6_K_LANES, lanes_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
@@ -501,8 +503,19 @@ def _q4_k_pieces_kernel(
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
+    _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
+                 blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
+                 UNPACK)
+
+
+@triton.jit
+def _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
+                 blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
+                 UNPACK: tl.constexpr):
+    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
     mags = (magic(0, N > 0, False), magic(8, N > 0, False))
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
     qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
     hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
     w0 = first * 64  # the tile's first activation word and q8_1 block
@@ -523,7 +536,7 @@ def _q4_k_pieces_kernel(
         if CARRY:
             tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)  # the next tile's loads
     pdl.wait_for_inputs(PDL)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+    store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
 
 
 @triton.jit
@@ -746,8 +759,19 @@ def _q6_k_pieces_kernel(
 ):
     """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
+    _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
+                 blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
+                 UNPACK)
+
+
+@triton.jit
+def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
+                 blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
+                 UNPACK: tl.constexpr):
+    """The Q6_K pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
     smag = magic(0, N > 0, True)
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
     ql_p = row_runs(base, o0, r0, r64, first * 32, NB * 32, tl.int32)
     qh_p = row_runs(base, o1, r1, r64, first * 16, NB * 16, tl.int32)
     sp = row_runs(base, o2, r2, r64, first * 4, NB * 4, tl.int32)
@@ -772,7 +796,50 @@ def _q6_k_pieces_kernel(
         if CARRY:
             tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
     pdl.wait_for_inputs(PDL)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+    store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
+
+
+@triton.jit
+def _pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
+            blocks_per_split, pn, pk, KIND: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+            SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr):
+    """One row of x times a K-quant matrix at (pn, pk) of its pieces grid: KIND 12 Q4_K, 14 Q6_K."""
+    if KIND == 12:
+        _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
+                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK)
+    else:
+        _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
+                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK)
+
+
+@triton.jit
+def _pieces_pair_kernel(
+    xq_ptr, dx_ptr, sx_ptr, K,
+    base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a, per_split_a,
+    base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b, per_split_b,
+    KIND_A: tl.constexpr, BLOCK_N_A: tl.constexpr, NB_A: tl.constexpr, SPLIT_A: tl.constexpr,
+    CARRY_A: tl.constexpr, UNPACK_A: tl.constexpr,
+    KIND_B: tl.constexpr, BLOCK_N_B: tl.constexpr, NB_B: tl.constexpr, SPLIT_B: tl.constexpr,
+    CARRY_B: tl.constexpr, UNPACK_B: tl.constexpr,
+    DOT: tl.constexpr, PDL: tl.constexpr,
+):
+    """One row of x times two K-quant matrices of different types in one launch (matvec_int8_pair): the
+    first tiles(a) x SPLIT_A programs are matrix a's pieces grid in its launch order (row tiles first),
+    the rest matrix b's. Each matrix keeps its own launch parameters; the kernel's registers are the
+    larger of the two."""
+    pdl.let_next_start(PDL)
+    pid = tl.program_id(0)
+    tiles_a = tl.cdiv(N_a, BLOCK_N_A)
+    if pid < tiles_a * SPLIT_A:
+        _pieces(xq_ptr, dx_ptr, sx_ptr, base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a,
+                K, per_split_a, pid % tiles_a, pid // tiles_a, KIND_A, BLOCK_N_A, NB_A, SPLIT_A, DOT, CARRY_A,
+                PDL, UNPACK_A)
+    else:
+        q = pid - tiles_a * SPLIT_A
+        tiles_b = tl.cdiv(N_b, BLOCK_N_B)
+        _pieces(xq_ptr, dx_ptr, sx_ptr, base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b,
+                K, per_split_b, q % tiles_b, q // tiles_b, KIND_B, BLOCK_N_B, NB_B, SPLIT_B, DOT, CARRY_B, PDL,
+                UNPACK_B)
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
@@ -915,3 +982,59 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         **pdl.launch_args(x.device),
     )
     return y
+
+
+_PIECES = {_q4_k_pieces_kernel: Q4_K, _q6_k_pieces_kernel: Q6_K}
+
+
+def pairs(a: tuple[PackedWeight, dict[str, int]], b: tuple[PackedWeight, dict[str, int]]) -> bool:
+    """Whether matvec_int8_pair takes these two matrices with these (complete) launch parameters at one row:
+    both repacked K-quants whose one-row kernel is the pieces kernel (Q4_K, Q6_K), on the same warp count,
+    with different types (matrices of one type are stacked into one at load instead)."""
+    kinds = []
+    for w, params in (a, b):
+        if not w.repacked or w.type_id not in (Q4_K, Q6_K):
+            return False
+        kinds.append(_PIECES.get(choose_kernel(w.type_id, 1, params)[0]))
+    return None not in kinds and a[0].type_id != b[0].type_id and a[1]["num_warps"] == b[1]["num_warps"]
+
+
+def matvec_int8_pair(x: torch.Tensor, a: tuple[PackedWeight, dict[str, int]], b: tuple[PackedWeight, dict[str, int]],
+                     q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One row of x times two matrices of different K-quant types in one launch: y [1, Na + Nb] =
+    [x Wa^T, x Wb^T], each part as matvec_int8 computes it with its own launch parameters (the layer's
+    Q4_K q and k stacked, beside its Q6_K v: one launch a layer fewer). `pairs(a, b)` must hold; `out`:
+    where y goes (a column slice of a wider output is fine, as matvec_int8's)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"matvec_int8_pair takes one row of x; got {tuple(x.shape)}")
+    if not pairs(a, b):
+        raise ValueError("matvec_int8_pair takes a Q4_K and a Q6_K matrix (repacked) whose one-row kernels "
+                         "are the pieces kernels, on the same number of warps")
+    (wa, pa), (wb, pb) = a, b
+    plan_a = plan_launch("matvec_int8", x, wa, SUPPORTED, pa)
+    plan_b = plan_launch("matvec_int8", x, wb, SUPPORTED, pb)
+    K = x.shape[1]
+    if out is None:
+        out = torch.empty(1, wa.n + wb.n, dtype=torch.float32, device=x.device)
+    elif out.shape != (1, wa.n + wb.n):
+        raise ValueError(f"out must be f32 [1, {wa.n + wb.n}]; got {tuple(out.shape)}")
+    part_a, y_a, _ = plan_a.outputs(1, wa.n, x.device, out[:, :wa.n])
+    part_b, y_b, _ = plan_b.outputs(1, wb.n, x.device, out[:, wa.n:])
+    tiles_a, tiles_b = plan_a.grid(wa.n)[0], plan_b.grid(wb.n)[0]
+    counts = arrival_counts(x.device, tiles_a + tiles_b)  # b's row tiles count after a's
+    q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
+    fa, fb = wa.field_args(), wb.field_args()
+    offsets_a = [v for i in range(0, 12, 3) for v in fa[i:i + 2]]  # each field's offset and row stride
+    offsets_b = [v for i in range(0, 12, 3) for v in fb[i:i + 2]]
+    _pieces_pair_kernel[(tiles_a * plan_a.split + tiles_b * plan_b.split,)](
+        q.view(torch.int32), dx, sx, K,
+        wa.data, part_a, y_a, counts, *offsets_a, wa.n, plan_a.per_split,
+        wb.data, part_b, y_b, counts[tiles_a:], *offsets_b, wb.n, plan_b.per_split,
+        KIND_A=wa.type_id, BLOCK_N_A=pa["block_n"], NB_A=plan_a.per_tile, SPLIT_A=plan_a.split,
+        CARRY_A=pa.get("carry", 1), UNPACK_A=pa.get("unpack", 0),
+        KIND_B=wb.type_id, BLOCK_N_B=pb["block_n"], NB_B=plan_b.per_tile, SPLIT_B=plan_b.split,
+        CARRY_B=pb.get("carry", 1), UNPACK_B=pb.get("unpack", 0),
+        DOT=dot_kind(x.device), num_warps=pa["num_warps"], num_stages=1, **pdl.launch_args(x.device),
+    )
+    return out

@@ -5,7 +5,7 @@ target (`cuda_sm90`, `hip_gfx906`, ...), never a hard-coded device name in a lau
 File format:
     {"target": "cuda_sm90", "matvec": {"Q4_K": {"large": {"1": {...}, "8": {...}}}, ...},
      "matvec_flat": {...keyed like "matvec"...}, "matvec_int8": {...}, "matvec_kernel": {"Q4_K": "int8"},
-     "prefill": {"dense_from_m": 9}}
+     "matvec_int8_pairs": false, "prefill": {"dense_from_m": 9}}
 Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`; an exact shape key ("4096x14336", N x K)
 measured on a model's own matrices comes before its class. Row counts 1..8 map to the nearest measured
 count at or above them.
@@ -77,6 +77,13 @@ class Tuning:
         where the file says so from a side-by-side measurement (benchmarks/matvec_variants.py), else
         "tiles" (matmul.matvec)."""
         return str(self.table.get("matvec_kernel", {}).get(type_name, "tiles"))
+
+    @property
+    def matvec_int8_pairs(self) -> bool:
+        """Whether a layer's two int8 matrices of different K-quant types (Q4_K q/k beside a Q6_K v) take one
+        launch at one row (matvec_int8.matvec_int8_pair) where the file says so from a measurement
+        (benchmarks/pair_matvec.py), else one launch each."""
+        return bool(self.table.get("matvec_int8_pairs", False))
 
     @property
     def dense_from_m(self) -> int:

@@ -85,7 +85,8 @@ class TritonMethod(QuantMethod):
     matrix is dequantized into a scratch buffer and multiplied by the vendor GEMM.
 
     Stacked matrices of one type become one matrix (their rows concatenated: GGUF rows are independent),
-    so q/k/v and gate/up cost one launch each; mixed types run one matmul per type.
+    so q/k/v and gate/up cost one launch each; mixed types run one matmul per type, or at one row, for
+    a Q4_K and a Q6_K matrix where the tuning file says `matvec_int8_pairs`, one launch for both.
     """
 
     def __init__(self, repack: bool = True, gemm_dtype: torch.dtype | None = None, tuning_file: str | None = None) -> None:
@@ -124,6 +125,17 @@ class TritonMethod(QuantMethod):
             layer.tuned.append([self._matvec_for(w, m) for m in range(1, 9)])
             if self.scratch is None or self.scratch.numel() < w.n * w.k:
                 self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
+        layer.pair = self._one_launch_pair(layer)
+
+    def _one_launch_pair(self, layer: QuantLinear) -> bool:
+        """Whether the layer's matrices at one row take one launch (matvec_int8_pair): two int8 matrices of
+        different K-quant types, where the tuning file says pairs are faster."""
+        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, pairs
+
+        if not self.tuning.matvec_int8_pairs or len(layer.packed) != 2:
+            return False
+        (fa, pa), (fb, pb) = (by_m[0] for by_m in layer.tuned)
+        return fa is matvec_int8 and fb is matvec_int8 and pairs((layer.packed[0], pa), (layer.packed[1], pb))
 
     def _matvec_for(self, w, m: int):
         """(kernel, launch parameters) of the decode mat-vec of `w` at m rows: the flat-tile or the int8-dot
@@ -145,7 +157,7 @@ class TritonMethod(QuantMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.matmul import dense_gemm
-        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
+        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, matvec_int8_pair, quantize_q8_1
 
         m = x.shape[0]
         if m < self.tuning.dense_from_m and m <= 8:
@@ -156,6 +168,10 @@ class TritonMethod(QuantMethod):
                 # one row: each matrix writes its columns of the output in place (no cat launch)
                 y = torch.empty(1, layer.out_features, device=x.device)
                 q8_1 = q8_1 or quantize_q8_1(x)
+                if layer.pair:  # both matrices in one launch
+                    (_, pa), (_, pb) = fns
+                    matvec_int8_pair(x, (layer.packed[0], pa), (layer.packed[1], pb), q8_1=q8_1, out=y)
+                    return y if layer.bias is None else y + layer.bias
                 at = 0
                 for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
                     fn(x, w, **cfg, q8_1=q8_1, out=y[:, at : at + w.n])
@@ -188,6 +204,7 @@ class QuantLinear(nn.Module):
         self.bias: nn.Parameter | None = None
         self.packed: list = []  # TritonMethod's PackedWeights
         self.tuned: list = []  # and their launch parameters for 1..8 rows
+        self.pair = False  # TritonMethod: the two matrices take one launch at one row (matvec_int8_pair)
         self.device = torch.device("cpu")
 
     def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:

@@ -356,3 +356,58 @@ def test_one_row_writes_into_a_column_slice_of_a_wider_output():
     x3 = torch.randn(3, 256, device=DEVICE)
     with pytest.raises(ValueError, match="out must be"):  # rows of a column slice are not N apart
         matvec_int8(x3, w, out=torch.empty(3, 40, device=DEVICE)[:, :24])
+
+
+@pytest.mark.parametrize("first, split_a, split_b, carry", [("Q4_K", 1, 2, 0), ("Q6_K", 2, 1, 1), ("Q4_K", 4, 4, 0)])
+def test_pair_launch_gives_each_matrix_its_own_launchs_product(first, split_a, split_b, carry):
+    """matvec_int8_pair: a Q4_K and a Q6_K matrix (odd row counts, different row tiles and K splits) in one
+    launch write [x Wa^T, x Wb^T] into a column slice of a wider output, bit for bit what each one's own
+    launch writes (the same pieces code runs on the same tiles), within 1e-5 of the reference; the columns
+    around the slice untouched; the arrival counts left at zero for the next split-K launch."""
+    from vegaserve.triton_kernels.matvec_int8 import matvec_int8_pair, pairs
+
+    k = 1024
+    second = "Q6_K" if first == "Q4_K" else "Q4_K"
+    mats = []
+    for name, n, block_n, split, seed in ((first, 37, 16, split_a, 30), (second, 13, 8, split_b, 31)):
+        tid = IDS[name]
+        raw = random_blocks(tid, n, k // 256, torch.Generator().manual_seed(seed))
+        params = {"block_n": block_n, "nb": 16, "split_k": split, "num_warps": 1, "carry": carry, "pieces": 1,
+                  "unpack": int(name == "Q4_K")}
+        mats.append((repack(raw.to(DEVICE), tid, n, k), params, repack(raw, tid, n, k)))
+    (wa, pa, ra), (wb, pb, rb) = mats
+    assert pairs((wa, pa), (wb, pb))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    q8 = quantize_q8_1(x)
+    wide = torch.full((1, 60), -7.0, device=DEVICE)
+    got = matvec_int8_pair(x, (wa, pa), (wb, pb), q8_1=q8, out=wide[:, 5:55])
+    assert got.data_ptr() == wide[:, 5:].data_ptr()
+    assert torch.equal(wide[:, 5:42], matvec_int8(x, wa, q8_1=q8, **pa))
+    assert torch.equal(wide[:, 42:55], matvec_int8(x, wb, q8_1=q8, **pb))
+    assert (wide[:, :5] == -7.0).all() and (wide[:, 55:] == -7.0).all()
+    for part, ref_w in ((wide[:, 5:42], ra), (wide[:, 42:55], rb)):
+        ref = reference_matvec_q8_1(q8[0].cpu(), q8[1].cpu(), ref_w)
+        assert float((part.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    assert not arrival_counts(torch.device(DEVICE), 64)[:64].any()
+
+
+def test_pair_launch_is_refused_where_a_kernel_is_not_a_pieces_kernel():
+    """pairs: the same type (stacked at load instead), a groups-kernel config (pieces 0), a lanes config or
+    different warp counts are not a pair, and matvec_int8_pair says so; more than one row of x is refused."""
+    from vegaserve.triton_kernels.matvec_int8 import matvec_int8_pair, pairs
+
+    ws = {}
+    for name, seed in (("Q4_K", 40), ("Q6_K", 41)):
+        tid = IDS[name]
+        ws[name] = repack(random_blocks(tid, 16, 2, torch.Generator().manual_seed(seed)).to(DEVICE), tid, 16, 512)
+    ok = {"block_n": 8, "nb": 8, "split_k": 1, "num_warps": 1, "carry": 0, "pieces": 1}
+    assert pairs((ws["Q4_K"], ok), (ws["Q6_K"], ok))
+    assert not pairs((ws["Q4_K"], ok), (ws["Q4_K"], ok))
+    assert not pairs((ws["Q4_K"], {**ok, "pieces": 0}), (ws["Q6_K"], ok))
+    assert not pairs((ws["Q4_K"], ok), (ws["Q6_K"], {**ok, "mma": 2, "block_n": 16}))
+    assert not pairs((ws["Q4_K"], ok), (ws["Q6_K"], {**ok, "num_warps": 2}))
+    x = torch.randn(1, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="pieces kernels"):
+        matvec_int8_pair(x, (ws["Q4_K"], ok), (ws["Q4_K"], ok))
+    with pytest.raises(ValueError, match="one row"):
+        matvec_int8_pair(torch.randn(2, 512, device=DEVICE), (ws["Q4_K"], ok), (ws["Q6_K"], ok))

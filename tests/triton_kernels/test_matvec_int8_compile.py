@@ -1,5 +1,5 @@
 """The int8-dot mat-vec kernels (the 32-element types' with their flat loads, and both K-quant kernels:
-groups and pieces) compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
+groups and pieces, and the pieces pair kernel) compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
 instructions in them: dp4a and prmt (the level tables) in the PTX, v_dot4_i32_i8 and v_perm_b32 in the
 AMDGCN assembly. The interpreter runs the integer emulation of those instructions, so only a compiler sees
 the inline assembly; these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
@@ -23,7 +23,8 @@ backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 dot = mv.PTX_DP4A if backend == "cuda" else mv.AMDGCN_DOT4
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
+         "out_ptr": "*fp32", "count_ptr": "*i32", "base_a": "*u8", "part_a": "*fp32", "out_a": "*fp32",
+         "count_a": "*i32", "base_b": "*u8", "part_b": "*fp32", "out_b": "*fp32", "count_b": "*i32"}
 common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False)
 kernels = {
     "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
@@ -36,6 +37,10 @@ kernels = {
     "Q4_K_pieces_unpack": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=1)),
     "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0)),
     "Q6_K_pieces_unpack": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=1)),
+    # a layer's Q4_K q/k and Q6_K v in one launch, with the H200 file's launches of 5120x4096 and 1024x4096
+    "pair": (mv._pieces_pair_kernel, dict(KIND_A=mv.Q4_K, BLOCK_N_A=32, NB_A=2, SPLIT_A=4, CARRY_A=0, UNPACK_A=0,
+                                          KIND_B=mv.Q6_K, BLOCK_N_B=8, NB_B=2, SPLIT_B=16, CARRY_B=0, UNPACK_B=0,
+                                          DOT=dot, PDL=False)),
 }
 if backend == "cuda":  # matrix units: gfx906 has none
     kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
@@ -43,7 +48,7 @@ if backend == "cuda":  # matrix units: gfx906 has none
         fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4})
         kernels[name + "_lanes"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
 for name, (fn, consts) in kernels.items():
-    consts = {**common, **consts}
+    consts = consts if "KIND_A" in consts else {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
@@ -58,7 +63,7 @@ WANT = {  # type -> instructions its kernel must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
-             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
+             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "pair": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
              "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q6_K_lanes": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
              "Q8_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
@@ -68,7 +73,7 @@ WANT = {  # type -> instructions its kernel must contain, per backend
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
-            "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}},
+            "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}, "pair": {"v_dot4_i32_i8"}},
 }
 
 
@@ -92,7 +97,8 @@ from triton.compiler import ASTSource
 from vegaserve.triton_kernels import matvec_int8 as mv
 
 TYPES = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
+         "out_ptr": "*fp32", "count_ptr": "*i32", "base_a": "*u8", "part_a": "*fp32", "out_a": "*fp32",
+         "count_a": "*i32", "base_b": "*u8", "part_b": "*fp32", "out_b": "*fp32", "count_b": "*i32"}
 
 
 def sm90(fn, consts, warps):

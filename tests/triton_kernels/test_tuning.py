@@ -166,3 +166,43 @@ def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_pat
         for part, w in zip(y.split([24, 8], dim=-1), layer.packed, strict=True):
             ref = matvec_int8.reference_matvec_q8_1(q[:rows].cpu(), d[:rows].cpu(), replace(w, data=w.data.cpu()))
             assert float((part.cpu().double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_tuning_file_pairs_a_layers_two_k_quant_matrices_into_one_launch(tmp_path, monkeypatch):
+    """"matvec_int8_pairs": a layer of Q4_K q/k and a Q6_K v takes one launch at one row (matvec_int8_pair,
+    no matvec_int8 call), with the same output bit for bit as its two launches without the key; at two
+    rows the two launches stay. Without the key nothing pairs."""
+    import torch
+
+    from vegaserve.engine.gguf_file import TensorInfo
+    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+    from vegaserve.triton_kernels import matvec_int8
+    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+    gen = torch.Generator().manual_seed(6)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k, sizes = 512, [16, 8, 8]
+    sources = []
+    for (tid, name), rows in zip(((12, "Q4_K"), (12, "Q4_K"), (14, "Q6_K")), sizes, strict=True):
+        raw = random_blocks(tid, rows, 2, gen).to(device)
+        sources.append(WeightSource(TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    layers = {}
+    for pairs_on in (False, True):
+        f = tmp_path / f"t{int(pairs_on)}.json"
+        f.write_text(json.dumps({"matvec_kernel": {"Q4_K": "int8", "Q6_K": "int8"}, "matvec_int8_pairs": pairs_on}))
+        layers[pairs_on] = QuantLinear(k, sizes, TritonMethod(tuning_file=str(f)))
+        layers[pairs_on].load(sources, torch.device(device))
+    assert layers[True].pair and not layers[False].pair
+    calls = []
+    for fn in ("matvec_int8", "matvec_int8_pair"):
+        real = getattr(matvec_int8, fn)
+        monkeypatch.setattr(matvec_int8, fn, lambda *a, _r=real, _n=fn, **kw: calls.append(_n) or _r(*a, **kw))
+    for layer in layers.values():  # the counted kernel, as the layer looks it up at load
+        layer.tuned = [[layer.method._matvec_for(w, m) for m in range(1, 9)] for w in layer.packed]
+    x = torch.randn(2, k, generator=gen).to(device)
+    paired = layers[True](x[:1])
+    assert calls == ["matvec_int8_pair"]
+    calls.clear()
+    assert torch.equal(paired, layers[False](x[:1])) and calls == ["matvec_int8", "matvec_int8"]
+    calls.clear()
+    assert torch.equal(layers[True](x), layers[False](x)) and calls == ["matvec_int8"] * 4
