@@ -13,7 +13,10 @@ decode mat-vec of every type the file gives no other kernel, gfx906's today). Wi
 entry of the tuning file (default: the target's) for the op that names one shape. With it: those shapes
 at --ms, the file's parameters (over the fallback) with each --extra variant on top. The kernel and its
 constexprs are the launcher's own choice (matvec_int8.choose_kernel with matvec_flat's launch_for and
-rule; matmul's matvec_tiles and matvec_constexprs). NVIDIA: ptxas -v of the PTX (the ptxas Triton
+rule; matmul's matvec_tiles and matvec_constexprs), and for --op matvec_int8 with the integer arguments
+specialized as a launch specializes them (compile_kernel: the layout's strides are multiples of 16, which
+is what lets the compiler load a run of words 16 bytes at a time; before this the offline compile saw
+plain i32s and showed 4-byte loads that the GPU never ran). NVIDIA: ptxas -v of the PTX (the ptxas Triton
 carries that takes it); AMD: the VGPRs and the scratch bytes of the AMDGCN assembly. Prints a table and
 one JSON line.
 
@@ -39,13 +42,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from vegaserve.triton_kernels import matmul
 from vegaserve.triton_kernels import matvec_int8 as mv
 from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.layout import repack
 from vegaserve.triton_kernels.matvec_flat import launch_for, rule
 from vegaserve.triton_kernels.tuning import CONFIG_DIR, Tuning, load_tuning
 
@@ -58,12 +64,46 @@ BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas,
 DEVICES = {"cuda": (132, 32), "hip": (60, 64)}
 
 
-def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GPUTarget):
+def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GPUTarget,
+                   ints: dict[str, int] | None = None):
+    """The kernel compiled for `target` as a launch specializes it: pointers 16-byte aligned (torch's
+    allocations are), and each integer argument in `ints` by its value as Triton's launcher does (1 a
+    constant, a multiple of 16 known to be one, i64 past i32): which loads the compiler may widen depends
+    on it (a plane's row stride a multiple of 16 lets a run of int32 words load 16 bytes at a time). An
+    integer not in `ints` is a plain i32."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend]}
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, consts), target=target,
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints and name in ints:
+            kind, spec = native_specialize_impl(BaseBackend, ints[name], False, True, True)
+            if kind == "constexpr":
+                consts[name], sig[name] = ints[name], "constexpr"
+            else:
+                sig[name] = kind
+                if spec == "D":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def launch_ints(type_name: str, n: int, k: int, params: dict) -> dict[str, int]:
+    """The int8 kernels' integer arguments as matvec_int8 passes them: the repacked layout's fields (laid
+    out on the meta device: no bytes), N, K and the blocks of a K split."""
+    tid = TYPE_IDS[type_name]
+    spec = GGML_TYPES[tid]
+    raw = torch.empty(n * (k // spec.block_size) * spec.type_size, dtype=torch.uint8, device="meta")
+    fields = repack(raw, tid, n, k).field_args()
+    names = [f"{c}{i}" for i in range(4) for c in "orb"]
+    return {**dict(zip(names, fields, strict=True)), "N": n, "K": k,
+            "blocks_per_split": launch_for(tid, k, params).per_split}
 
 
 def nvidia_resources(ptx: str, arch: int) -> tuple[int, int]:
@@ -212,7 +252,8 @@ def main() -> None:
     rows = []
     for type_name, n, k, m, params in entries(tuning, args):
         kernel, consts, stages = launch(args.op, type_name, k, m, params, backend)
-        compiled = compile_kernel(kernel, consts, params.get("num_warps", 4), stages, target)
+        ints = launch_ints(type_name, n, k, params) if args.op == "matvec_int8" else None
+        compiled = compile_kernel(kernel, consts, params.get("num_warps", 4), stages, target, ints)
         if backend == "cuda":
             regs, spill = nvidia_resources(compiled.asm["ptx"], int(arch))
         else:

@@ -58,3 +58,28 @@ def test_loop_bytes_is_one_super_block_for_the_k_quant_lanes_kernels_whatever_nb
     assert loop_bytes("Q4_K", "lanes_kernel", consts, 4) == 16 * 144
     assert loop_bytes("Q8_0", "lanes_kernel", {**consts, "KIND": 0}, 4) == 16 * 8 * 34
     assert loop_bytes("Q4_K", "_q4_k_pieces_kernel", consts, 4) == 16 * 8 * 144
+
+
+def test_offline_compile_specializes_the_integer_arguments_as_a_launch_does():
+    """The int8 kernels compiled as matvec_int8 launches them: the repacked layout's offsets and row strides
+    (multiples of 16) and aligned pointers known to be so, so the Q4_K pieces kernel's quant and head
+    runs load 16 bytes a thread (ld.global.v4), as on the GPU; without the launch's integers the same
+    kernel loads them 4 bytes at a time, which is what the compiled code looked like before this."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = r"""
+import kernel_resources as kr
+from triton.backends.compiler import GPUTarget
+p = {"block_n": 16, "nb": 32, "num_warps": 4, "split_k": 1, "carry": 0, "pieces": 1, "unpack": 1}
+fn, consts, stages = kr.launch("matvec_int8", "Q4_K", 4096, 1, p, "cuda")
+ints = kr.launch_ints("Q4_K", 28672, 4096, p)
+assert ints["r2"] % 16 == 0 and ints["N"] == 28672 and ints["blocks_per_split"] == 16, ints
+for given in (ints, None):
+    ptx = kr.compile_kernel(fn, dict(consts), 4, stages, GPUTarget("cuda", 90, 32), given).asm["ptx"]
+    print(ptx.count("ld.global.v4"), ptx.count("ld.global"))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=SCRIPT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wide, loads), (wide_plain, loads_plain) = (tuple(map(int, line.split())) for line in done.stdout.split("\n")[:2])
+    assert wide >= 4 and wide_plain == 0 and loads < loads_plain
