@@ -873,7 +873,9 @@ def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[s
     """mma 2 (matvec_mma.py): 2 groups of 16 rows a warp on 1, 2 or 4 warps, 1 on 4 (the H200's sweep of
     the eighth sitting, docs/PERF.md: 8 warps lost everywhere, 1 and 2 won on four of the seven shapes); the
     32-element types with 4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest
-    power-of-two split-K that gives two programs an SM, with at least two tiles a split, and twice that."""
+    power-of-two split-K that gives two programs an SM, with at least two tiles a split, and twice that.
+    Q4_K: each also with pipe 1 and 2, at its split and half of it (pipe 2's registers leave fewer
+    programs an SM, so fewer programs may be the faster launch)."""
     qk = 256 if type_id in (Q4_K, Q6_K) else 32
     out = []
     for block_n, warps in ((32, 1), (64, 2), (64, 4), (128, 4)):
@@ -884,6 +886,10 @@ def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[s
                 split *= 2
             out += [{"mma": 2, "block_n": block_n, "num_warps": warps, "nb": nb, "split_k": s, "carry": 1}
                     for s in sorted({split, split * 2 if tiles // (2 * split) >= 2 else split})]
+    if type_id == Q4_K:  # and its pipelined loops (matvec_mma._q4_k_pipelined), with half the split too
+        out += [{**c, "pipe": pipe, "split_k": s} for c in list(out) for pipe in (1, 2)
+                for s in sorted({c["split_k"], max(1, c["split_k"] // 2)})]
+        out = [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
     return out
 
 
@@ -909,7 +915,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
         # (matvec_mma.py)
         kind = {Q4_K: Q4_K_LANES, Q6_K: Q6_K_LANES}.get(type_id, BLOCK_LANES)
         return lanes_kernel, {"WORDS": 4, "TABLE": 0, "E8M0": False, **type_args, "W": params["num_warps"],
-                              "KIND": kind}
+                              "KIND": kind, "PIPE": params.get("pipe", 0)}
     if type_id not in (Q4_K, Q6_K):
         # 1.26-1.47x at M = 1 on the 8B shapes, Q4_0 1.34x at M = 8, Q8_0 0.77x there (docs/PERF.md)
         return kernel, {**type_args, "FLAT": params.get("flat", int(m == 1 or type_id != Q8_0))}
@@ -930,7 +936,7 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
 def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
-                mma: int | None = None, unpack: int | None = None,
+                mma: int | None = None, unpack: int | None = None, pipe: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
@@ -947,6 +953,9 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     takes; for the 32-element types a tile of one block, nb 1 or a row of an odd number of blocks, runs
     the dp4a kernel instead); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
+    pipe 1, 2 (Q4_K, mma 2): the lanes kernel issues its weight loads ahead of the products before them
+    (matvec_mma._q4_k_pipelined: 1 half a super-block ahead, 2 a whole one) in place of carry's loads
+    after them.
     mma and unpack 1 are the tuning file's choice per shape (on the H200: mma 2 at M = 8 of 28672x4096
     and 4096x14336).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
@@ -955,11 +964,15 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
-                                                        "unpack": unpack})
+                                                        "unpack": unpack, "pipe": pipe})
     M, K = x.shape
     mma = plan.params.get("mma", 0)
     if mma and torch.version.hip:
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
+    if plan.params.get("pipe", 0) not in (0, 1, 2):
+        raise ValueError(f"pipe is 0, 1 or 2; got {plan.params['pipe']}")
+    if plan.params.get("pipe", 0) and not (mma == 2 and w.type_id == Q4_K):
+        raise ValueError(f"pipe is the Q4_K lanes kernel's loop (mma 2); got {w.type_name} with mma {mma}")
     if mma == 2:
         lanes_rows = 16 * plan.params["num_warps"]
         if plan.params["block_n"] % lanes_rows:

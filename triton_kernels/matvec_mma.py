@@ -87,30 +87,47 @@ def _q4_k_products(tile, acc, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexp
     """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
     2t + 1) f32. xp: x of column g at the super-block's first element (xlive: g < M), xo: the lane's
     offsets in a sub-block of even and odd chunks (mma_lanes.pair_offsets); dxp, sxp: the q8_1 scales and sums of
-    columns 2t and 2t + 1 at its first sub-block (clive: each < M)."""
-    dx0 = f32_run(dxp[0], clive[0], 8)
-    dx1 = f32_run(dxp[1], clive[1], 8)
-    sx0 = f32_run(sxp[0], clive[0], 8)
-    sx1 = f32_run(sxp[1], clive[1], 8)
+    columns 2t and 2t + 1 at its first sub-block (clive: each < M). Its two halves one after the other
+    (_q4_k_half_products)."""
+    for e in tl.static_range(2):
+        quants = ()
+        heads = ()
+        for j in tl.static_range(2 * R):
+            quants = quants + (tile[j][e],)
+            heads = heads + (tile[j][2],)
+        acc = _q4_k_half_products(quants, heads, acc, e, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
+    return acc
+
+
+@triton.jit
+def _q4_k_half_products(quants, heads, acc, e: tl.constexpr, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr,
+                        W: tl.constexpr, DOT: tl.constexpr):
+    """Half e of a super-block (quant bytes 64e.., chunks 2e and 2e + 1: sub-blocks 4e .. 4e + 3) for the
+    lane's R groups, from each of its 2R rows' 16-byte load of that half (`quants`) and head record
+    (`heads`); arguments as _q4_k_products'."""
+    dx0 = f32_run(dxp[0] + 4 * e, clive[0], 4)
+    dx1 = f32_run(dxp[1] + 4 * e, clive[1], 4)
+    sx0 = f32_run(sxp[0] + 4 * e, clive[0], 4)
+    sx1 = f32_run(sxp[1] + 4 * e, clive[1], 4)
     chunks = ()
     for j in tl.static_range(2 * R):
-        chunks = chunks + (exchange_halves(tile[j][0], lo, W, DOT) + exchange_halves(tile[j][1], lo, W, DOT),)
+        chunks = chunks + (exchange_halves(quants[j], lo, W, DOT),)
     new = acc
-    for s in tl.static_range(8):  # chunk s // 2: its low nibbles for even s, high for odd
-        b0, b1 = halves(tl.load((xp + 32 * s + xo[(s // 2) % 2]).to(tl.pointer_type(tl.int64)), mask=xlive,
+    for i in tl.static_range(4):  # sub-block s = 4e + i: chunk 2e + i // 2, its low nibbles for even s
+        b0, b1 = halves(tl.load((xp + 32 * (4 * e + i) + xo[(i // 2) % 2]).to(tl.pointer_type(tl.int64)), mask=xlive,
                                 other=0))
         out = ()
         for j in tl.static_range(R):
-            t_lo, t_hi = chunks[2 * j][s // 2]
-            b_lo, b_hi = chunks[2 * j + 1][s // 2]
-            if s % 2 == 1:
+            t_lo, t_hi = chunks[2 * j][i // 2]
+            b_lo, b_hi = chunks[2 * j + 1][i // 2]
+            if i % 2 == 1:  # sub-block 4e + i odd: the chunk's high nibbles
                 t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
             d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
                                          b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
-            st, mt = _q4_k_scales(tile[2 * j][2], s)
-            sb, mb = _q4_k_scales(tile[2 * j + 1][2], s)
-            a0, a1, a2, a3 = scaled(new[j], d0, d1, d2, d3, dx0[s], dx1[s], st, sb)
-            out = out + ((a0 - mt * sx0[s], a1 - mt * sx1[s], a2 - mb * sx0[s], a3 - mb * sx1[s]),)
+            st, mt = _q4_k_scales(heads[2 * j], 4 * e + i)
+            sb, mb = _q4_k_scales(heads[2 * j + 1], 4 * e + i)
+            a0, a1, a2, a3 = scaled(new[j], d0, d1, d2, d3, dx0[i], dx1[i], st, sb)
+            out = out + ((a0 - mt * sx0[i], a1 - mt * sx1[i], a2 - mb * sx0[i], a3 - mb * sx1[i]),)
         new = out
     return new
 
@@ -259,6 +276,56 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
     return new
 
 
+@triton.jit
+def _q4_k_pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
+                    DOT: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr):
+    """Q4_K's loop with the weight loads issued ahead of the products that wait for them. With CARRY the
+    next tile's loads are issued after the whole super-block's products (ptxas leaves them at the end of
+    the loop: docs/PERF.md, tenth sitting), so each iteration waits for memory with nothing of its own to
+    compute. PIPE 1: a super-block's second half of quants is issued before its first half's products, the
+    next super-block's first half and head records before its second half's (ptxas of Triton 3.6 moves
+    the latter down to the last two mma: 130 registers against carry's 128 at 64 rows on 2 warps). PIPE 2:
+    all three before the first half's products, a whole super-block of products covering them, for a
+    tile's registers more (168)."""
+    lo = t < 2
+    xo = pair_offsets(t)
+    heads = ()
+    first = ()
+    for j in tl.static_range(2 * R):
+        heads = heads + (load16(ptrs[j][0], DOT),)
+        first = first + (load16(ptrs[j][1], DOT),)
+    for it in range(0, n_iter):
+        second = ()
+        for j in tl.static_range(2 * R):
+            second = second + (load16(ptrs[j][1] + 64, DOT),)
+        more = it + 1 < n_iter  # after the last super-block the extra loads read it again
+        moved = ()
+        for j in tl.static_range(2 * R):
+            moved = moved + ((ptrs[j][0] + tl.where(more, steps[0], 0), ptrs[j][1] + tl.where(more, steps[1], 0)),)
+        ptrs = moved
+        if PIPE == 2:  # the next super-block's first half and heads issued here too
+            next_heads = ()
+            next_first = ()
+            for j in tl.static_range(2 * R):
+                next_heads = next_heads + (load16(ptrs[j][0], DOT),)
+                next_first = next_first + (load16(ptrs[j][1], DOT),)
+        pdl.wait_for_inputs(PDL)  # the first loads are in flight (a no-op after the first)
+        acc = _q4_k_half_products(first, heads, acc, 0, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
+        if PIPE == 1:
+            next_heads = ()
+            next_first = ()
+            for j in tl.static_range(2 * R):
+                next_heads = next_heads + (load16(ptrs[j][0], DOT),)
+                next_first = next_first + (load16(ptrs[j][1], DOT),)
+        acc = _q4_k_half_products(second, heads, acc, 1, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
+        heads = next_heads
+        first = next_first
+        xp += 256
+        dxp = (dxp[0] + 8, dxp[1] + 8)
+        sxp = (sxp[0] + 8, sxp[1] + 8)
+    return acc
+
+
 Q4_K_LANES, Q6_K_LANES, BLOCK_LANES = 1, 2, 0  # lanes_kernel's KIND
 
 
@@ -311,14 +378,14 @@ def lanes_kernel(
     N, K, blocks_per_split,  # blocks of the type (super-blocks of 256 for the K-quants)
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
-    TABLE: tl.constexpr, E8M0: tl.constexpr,
+    TABLE: tl.constexpr, E8M0: tl.constexpr, PIPE: tl.constexpr = 0,
 ):
     """1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp). KIND 1:
     Q4_K (fields dm, scales as one head record, qs), one super-block an iteration; 2: Q6_K (ql, qh,
     scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
     nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
     DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
-    before this one's products."""
+    before this one's products. PIPE 1 or 2 (Q4_K): _q4_k_pipelined's loop instead."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
     QK: tl.constexpr = 32 if KIND == 0 else 256
@@ -340,33 +407,37 @@ def lanes_kernel(
     dxp = (dx_ptr + v0, dx_ptr + v1)
     sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = zero_acc(R, W)
-    if CARRY:
-        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
-        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
-        more = it + 1 < n_iter
-        moved = ()
-        for j in tl.static_range(2 * R):
-            row = ()
-            for p in tl.static_range(len(steps)):
-                if CARRY:  # after the last tile the extra loads read it again instead of past the split
-                    row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
-                else:
-                    row = row + (ptrs[j][p] + steps[p],)
-            moved = moved + (row,)
-        ptrs = moved
-        if KIND == 1:
-            acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
-        elif KIND == 2:
-            acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
-        else:
-            acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
-        xp += PER
-        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
-        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
+    if PIPE:
+        tl.static_assert(KIND == 1, "PIPE: Q4_K's lanes kernel only")
+        acc = _q4_k_pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R, W, DOT, PDL, PIPE)
+    else:
         if CARRY:
-            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
+        for it in range(0, n_iter):
+            if not CARRY:
+                tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
+            pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
+            more = it + 1 < n_iter
+            moved = ()
+            for j in tl.static_range(2 * R):
+                row = ()
+                for p in tl.static_range(len(steps)):
+                    if CARRY:  # after the last tile the extra loads read it again instead of past the split
+                        row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
+                    else:
+                        row = row + (ptrs[j][p] + steps[p],)
+                moved = moved + (row,)
+            ptrs = moved
+            if KIND == 1:
+                acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
+            elif KIND == 2:
+                acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
+            else:
+                acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+            xp += PER
+            dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
+            sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
+            if CARRY:
+                tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
