@@ -388,32 +388,52 @@ def _q4_k_kernel(
 
 
 @triton.jit
-def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr):
     """Loads of one Q4_K tile, each a contiguous run per row (so the lanes of a warp go along the row): the
     quant words as [BLOCK_N, 8 NB, 4] (16-byte piece p = 8 sb + 2c + h: half h of 32-byte chunk c of
     super-block sb) and the four words of each super-block's head record (dm, the 12 scale bytes) as
-    dm, a, b, c [BLOCK_N, NB]."""
+    dm, a, b, c [BLOCK_N, NB]: GATHER 0 from a run of the row's records (hd [BLOCK_N, 4 NB]), split in
+    registers through shared memory (the run's words lie across lanes); 1 one load a word (hd [BLOCK_N,
+    NB], each record's first word), each where it is used."""
     q = tl.reshape(tl.load(qs), [BLOCK_N, NB * 8, 4])
-    dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
+    if GATHER:
+        dm, a, b, c = tl.load(hd), tl.load(hd + 1), tl.load(hd + 2), tl.load(hd + 3)
+    else:
+        dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
     return q, dm, a, b, c
 
 
 @triton.jit
-def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr):
-    """One row of x for a pieces tile, from contiguous loads: the int32 words the low and the high nibbles
-    of each piece multiply (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB])."""
+def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
+    """One row of x for a pieces tile: the int32 words the low and the high nibbles of each piece multiply
+    (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]). GATHER 0: from
+    contiguous loads, rearranged (through shared memory: Triton converts the permuted tensors' layout);
+    1: each loaded where it is used, at its own offsets (tensors of 8 NB elements, which Triton's layout
+    pass re-materialises in the products' layout instead of converting)."""
     # word sb * 64 + c * 16 + k * 8 + h * 4 + w (k = 0: the low nibbles' sub-block 2c, 1: the high's 2c + 1)
-    xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 4, 2, 2, 4)), (0, 1, 3, 4, 2))
-    xl, xh = tl.split(xt)  # [NB, c, h, w]
-    xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-    xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
-    dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
-    sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
-    # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
-    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
-    sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
-    sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
+    if GATHER:
+        p = tl.arange(0, NB * 8)
+        word = w0 + (p // 8) * 64 + ((p % 8) // 2) * 16 + (p % 2) * 4
+        xl = ()
+        xh = ()
+        for w in tl.static_range(4):
+            xl = xl + (tl.load(xrow + word + w)[None, :],)
+            xh = xh + (tl.load(xrow + word + 8 + w)[None, :],)
+        blk = b0 + (p // 8) * 8 + ((p % 8) // 2) * 2  # block sb * 8 + 2c, and + 1
+        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 1)[None, :]
+        sl, sh = tl.load(sxrow + blk)[None, :], tl.load(sxrow + blk + 1)[None, :]
+    else:
+        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 4, 2, 2, 4)), (0, 1, 3, 4, 2))
+        xl, xh = tl.split(xt)  # [NB, c, h, w]
+        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
+        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+        dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
+        sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
+        # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
+        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+        sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
+        sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
     return xl, xh, dl, dh, sl, sh
 
 
@@ -454,7 +474,7 @@ def _q4_k_piece_scales(a, b, c, pp, UNPACK: tl.constexpr):
 
 @triton.jit
 def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
     """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
     their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece.
     UNPACK 1: the scales as _q4_k_piece_scales' UNPACK 1, and every int-to-float conversion an exact
@@ -486,7 +506,7 @@ def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.c
     new = ()
     for m in tl.static_range(M):
         xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
-                                                  sx_ptr + m * (K // 32), w0, b0, NB)
+                                                  sx_ptr + m * (K // 32), w0, b0, NB, GATHER)
         s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
     return new
@@ -498,43 +518,48 @@ def _q4_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
 ):
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
     _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK)
+                 UNPACK, GATHER)
 
 
 @triton.jit
 def _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
                  blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr):
-    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
+                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
+    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at); GATHER: _q4_k_piece_tile's
+    and _q4_k_piece_acts'."""
     mags = (magic(0, N > 0, False), magic(8, N > 0, False))
     rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
     qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
-    hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
+    if GATHER:  # each record's first word
+        hd = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first + tl.arange(0, NB))[None, :] * 4
+    else:
+        hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
     w0 = first * 64  # the tile's first activation word and q8_1 block
     bx = first * 8
     acc = zero_rows(M, BLOCK_N, NB * 8)
     if CARRY:
-        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
+        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += _advance(more, NB * 32, CARRY)
         hd += _advance(more, NB * 4, CARRY)
-        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK)
+        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK,
+                               GATHER)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)  # the next tile's loads
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)  # the next tile's loads
     pdl.wait_for_inputs(PDL)
     store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
 
@@ -685,7 +710,9 @@ def _q6_k_kernel(
 def _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """Loads of one Q6_K tile, each a contiguous run per row: the ql words as [BLOCK_N, 8 NB, 4] (16-byte
     piece p = 8 sb + 4h + u: ql bytes 64h + 16u ..), the qh words that go with each piece (qh bytes
-    32h + 16 (u % 2) .., each qh run serving two pieces), the scale words [BLOCK_N, NB] x 4 and d."""
+    32h + 16 (u % 2) .., each qh run serving two pieces), the scale words [BLOCK_N, NB] x 4 and d. (Each
+    piece's qh loaded for it instead, GATHER-style, gave the products a layout of their own and eight
+    conversions an iteration in Triton 3.6.)"""
     ql = tl.reshape(tl.load(ql_p), [BLOCK_N, NB * 8, 4])
     qh = tl.reshape(tl.load(qh_p), [BLOCK_N, NB, 2, 1, 2, 4])  # (sb, h, -, u % 2, w)
     qh = tl.reshape(tl.broadcast_to(qh, [BLOCK_N, NB, 2, 2, 2, 4]), [BLOCK_N, NB * 8, 4])  # (sb, h, u // 2, u % 2)
@@ -695,26 +722,37 @@ def _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
-def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr):
-    """One row of x for a Q6_K pieces tile from contiguous loads: the words the low nibbles (elements
-    128h + 16u ..) and the high nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their
-    q8_1 scales [1, 8 NB]."""
+def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
+    """One row of x for a Q6_K pieces tile: the words the low nibbles (elements 128h + 16u ..) and the high
+    nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their q8_1 scales [1, 8 NB]; GATHER as
+    _q4_k_piece_acts'."""
     # word sb * 64 + 32h + 16k + 4u + w (k = 0: low nibbles, 1: high)
-    xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 2, 2, 4, 4)), (0, 1, 3, 4, 2))
-    xl, xh = tl.split(xt)  # [NB, h, u, w]
-    xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-    xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
-    # q8_1 block sb * 8 + 4h + 2k + u // 2
-    v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
-    dl, dh = tl.split(v)  # [NB, h, u // 2]
-    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+    if GATHER:
+        p = tl.arange(0, NB * 8)  # piece 8 sb + 4h + u
+        word = w0 + (p // 8) * 64 + ((p % 8) // 4) * 32 + (p % 4) * 4
+        xl = ()
+        xh = ()
+        for w in tl.static_range(4):
+            xl = xl + (tl.load(xrow + word + w)[None, :],)
+            xh = xh + (tl.load(xrow + word + 16 + w)[None, :],)
+        blk = b0 + (p // 8) * 8 + ((p % 8) // 4) * 4 + (p % 4) // 2  # block sb * 8 + 4h + u // 2, and + 2
+        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 2)[None, :]
+    else:
+        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 2, 2, 4, 4)), (0, 1, 3, 4, 2))
+        xl, xh = tl.split(xt)  # [NB, h, u, w]
+        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
+        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+        # q8_1 block sb * 8 + 4h + 2k + u // 2
+        v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
+        dl, dh = tl.split(v)  # [NB, h, u // 2]
+        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
     return xl, xh, dl, dh
 
 
 @triton.jit
 def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
     """A Q6_K pieces tile's products: each piece's 16 low-nibble codes (sub-block 8h + u) and 16
     high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2).
     UNPACK 1: the signed scale bytes and the integer sums made floats by exact adds (flat_words.field with
@@ -743,7 +781,7 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr
         hi = hi + (minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
     new = ()
     for m in tl.static_range(M):
-        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
+        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB, GATHER)
         s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi,)
     return new
@@ -755,20 +793,20 @@ def _q6_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
 ):
     """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
     _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK)
+                 UNPACK, GATHER)
 
 
 @triton.jit
 def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
                  blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr):
+                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
     """The Q6_K pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
     smag = magic(0, N > 0, True)
     rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
@@ -790,7 +828,7 @@ def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1,
         qh_p += _advance(more, NB * 16, CARRY)
         sp += _advance(more, NB * 4, CARRY)
         dp += _advance(more, NB, CARRY)
-        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK)
+        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK, GATHER)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
@@ -802,14 +840,15 @@ def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1,
 @triton.jit
 def _pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
             blocks_per_split, pn, pk, KIND: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-            SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr):
+            SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
+            GATHER: tl.constexpr):
     """One row of x times a K-quant matrix at (pn, pk) of its pieces grid: KIND 12 Q4_K, 14 Q6_K."""
     if KIND == 12:
         _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK)
+                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
     else:
         _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK)
+                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
 
 
 @triton.jit
@@ -818,9 +857,9 @@ def _pieces_pair_kernel(
     base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a, per_split_a,
     base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b, per_split_b,
     KIND_A: tl.constexpr, BLOCK_N_A: tl.constexpr, NB_A: tl.constexpr, SPLIT_A: tl.constexpr,
-    CARRY_A: tl.constexpr, UNPACK_A: tl.constexpr,
+    CARRY_A: tl.constexpr, UNPACK_A: tl.constexpr, GATHER_A: tl.constexpr,
     KIND_B: tl.constexpr, BLOCK_N_B: tl.constexpr, NB_B: tl.constexpr, SPLIT_B: tl.constexpr,
-    CARRY_B: tl.constexpr, UNPACK_B: tl.constexpr,
+    CARRY_B: tl.constexpr, UNPACK_B: tl.constexpr, GATHER_B: tl.constexpr,
     DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x times two K-quant matrices of different types in one launch (matvec_int8_pair): the
@@ -833,13 +872,13 @@ def _pieces_pair_kernel(
     if pid < tiles_a * SPLIT_A:
         _pieces(xq_ptr, dx_ptr, sx_ptr, base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a,
                 K, per_split_a, pid % tiles_a, pid // tiles_a, KIND_A, BLOCK_N_A, NB_A, SPLIT_A, DOT, CARRY_A,
-                PDL, UNPACK_A)
+                PDL, UNPACK_A, GATHER_A)
     else:
         q = pid - tiles_a * SPLIT_A
         tiles_b = tl.cdiv(N_b, BLOCK_N_B)
         _pieces(xq_ptr, dx_ptr, sx_ptr, base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b,
                 K, per_split_b, q % tiles_b, q // tiles_b, KIND_B, BLOCK_N_B, NB_B, SPLIT_B, DOT, CARRY_B, PDL,
-                UNPACK_B)
+                UNPACK_B, GATHER_B)
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
@@ -856,14 +895,16 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int,
     """The launch configs a sweep times: matvec_flat's tile candidates, each with the tile loaded ahead
     (carry 1) and in its own iteration (carry 0); for Q4_K and Q6_K at M = 1 both kernels, the pieces
     kernel also with 8 and 32 rows a program (its best on the H200 was often a smaller block_n than the
-    groups kernel's: Q6_K 8), each with unpack 0 and 1. matrix_units (has_matrix_units): also the lanes
+    groups kernel's: Q6_K 8), each with unpack 0 and 1 and gather 0 and 1. matrix_units
+    (has_matrix_units): also the lanes
     kernels' (lanes_candidates)."""
     tiles = flat_candidates(type_id, n, k, m, sm_count)
     out = [{**c, "carry": carry} for c in tiles for carry in (1, 0)]
     if m == 1 and type_id in (Q4_K, Q6_K):
         out = [{**c, "pieces": 0} for c in out]
-        out += [{**c, "carry": carry, "block_n": bn, "pieces": 1, "unpack": unpack}
-                for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)]
+        out += [{**c, "carry": carry, "block_n": bn, "pieces": 1, "unpack": unpack, "gather": gather}
+                for c in tiles for carry in (1, 0) for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)
+                for gather in (0, 1)]
     if matrix_units:  # every int8 type has a lanes kernel
         out += lanes_candidates(type_id, n, k, sm_count)
     return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
@@ -924,10 +965,10 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     if type_id == Q4_K and params.get("pieces", int(m == 1)):
         # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1 (fewer slow instructions): the tuning
         # file's choice per shape (28672x4096: 22.3 -> 20.6 us at block_n 16, nb 32 on an H200)
-        return _q4_k_pieces_kernel, {"UNPACK": params.get("unpack", 0)}
+        return _q4_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
     if type_id == Q6_K and params.get("pieces", int(m == 1)):
         # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: no faster on the H200's shapes
-        return _q6_k_pieces_kernel, {"UNPACK": params.get("unpack", 0)}
+        return _q6_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
     if type_id == Q4_K:
         return kernel, {**type_args, "STAGE": params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     return kernel, type_args
@@ -937,6 +978,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
                 split_k: int | None = None, num_warps: int | None = None, carry: int | None = None,
                 stage: int | None = None, flat: int | None = None, pieces: int | None = None,
                 mma: int | None = None, unpack: int | None = None, pipe: int | None = None,
+                gather: int | None = None,
                 q8_1: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_flat; `q8_1`: x already quantized (quantize_q8_1), which
@@ -953,7 +995,9 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     takes; for the 32-element types a tile of one block, nb 1 or a row of an odd number of blocks, runs
     the dp4a kernel instead); unpack 1 (the
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
-    pipe 1, 2 (Q4_K, mma 2): the lanes kernel issues its weight loads ahead of the products before them
+    gather 1 (the pieces kernels): the activations, their q8_1 scales (and Q4_K's head words) loaded
+    where each thread uses them instead of in runs rearranged through shared memory (no barrier in the
+    loop). pipe 1, 2 (Q4_K, mma 2): the lanes kernel issues its weight loads ahead of the products before them
     (matvec_mma._q4_k_pipelined: 1 half a super-block ahead, 2 a whole one) in place of carry's loads
     after them.
     mma and unpack 1 are the tuning file's choice per shape (on the H200: mma 2 at M = 8 of 28672x4096
@@ -964,7 +1008,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     plan = plan_launch("matvec_int8", x, w, SUPPORTED, {"block_n": block_n, "nb": nb, "split_k": split_k,
                                                         "num_warps": num_warps, "carry": carry, "stage": stage,
                                                         "flat": flat, "pieces": pieces, "mma": mma,
-                                                        "unpack": unpack, "pipe": pipe})
+                                                        "unpack": unpack, "pipe": pipe, "gather": gather})
     M, K = x.shape
     mma = plan.params.get("mma", 0)
     if mma and torch.version.hip:
@@ -1045,9 +1089,9 @@ def matvec_int8_pair(x: torch.Tensor, a: tuple[PackedWeight, dict[str, int]], b:
         wa.data, part_a, y_a, counts, *offsets_a, wa.n, plan_a.per_split,
         wb.data, part_b, y_b, counts[tiles_a:], *offsets_b, wb.n, plan_b.per_split,
         KIND_A=wa.type_id, BLOCK_N_A=pa["block_n"], NB_A=plan_a.per_tile, SPLIT_A=plan_a.split,
-        CARRY_A=pa.get("carry", 1), UNPACK_A=pa.get("unpack", 0),
+        CARRY_A=pa.get("carry", 1), UNPACK_A=pa.get("unpack", 0), GATHER_A=pa.get("gather", 0),
         KIND_B=wb.type_id, BLOCK_N_B=pb["block_n"], NB_B=plan_b.per_tile, SPLIT_B=plan_b.split,
-        CARRY_B=pb.get("carry", 1), UNPACK_B=pb.get("unpack", 0),
+        CARRY_B=pb.get("carry", 1), UNPACK_B=pb.get("unpack", 0), GATHER_B=pb.get("gather", 0),
         DOT=dot_kind(x.device), num_warps=pa["num_warps"], num_stages=1, **pdl.launch_args(x.device),
     )
     return out

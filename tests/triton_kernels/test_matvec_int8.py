@@ -157,6 +157,31 @@ def test_pieces_unpack_variants_give_the_same_products(name):
         assert torch.equal(matvec_int8(x, w, unpack=1, **cfg), matvec_int8(x, w, unpack=0, **cfg))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("block_n, nb, split_k, carry", [(8, 16, 1, 0), (16, 32, 2, 1), (32, 16, 4, 0)])
+def test_pieces_gather_loads_give_the_same_products(name, block_n, nb, split_k, carry):
+    """gather 1 (the activations and their q8_1 scales, and Q4_K's head words, loaded by computed offsets
+    where each thread uses them) puts the same values in the same places as the runs rearranged in
+    registers: the same outputs bit for bit at 1 and 3 rows, 1 to 4 super-blocks a tile, split-K on and
+    off, carried tiles; and the reference's product. Also through the pair kernel."""
+    from vegaserve.triton_kernels.matvec_int8 import matvec_int8_pair
+
+    _matches_the_reference(name, 21, 2048, (1, 3), 33, block_n=block_n, nb=nb, split_k=split_k, num_warps=1,
+                           carry=carry, pieces=1, gather=1)
+    tid = IDS[name]
+    raw = random_blocks(tid, 21, 8, torch.Generator().manual_seed(34))
+    w = repack(raw.to(DEVICE), tid, 21, 2048)
+    cfg = {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry, "pieces": 1}
+    for m in (1, 3):
+        x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(35 + m)).to(DEVICE)
+        q8 = quantize_q8_1(x)
+        assert torch.equal(matvec_int8(x, w, gather=1, q8_1=q8, **cfg), matvec_int8(x, w, gather=0, q8_1=q8, **cfg))
+    other = IDS["Q6_K" if name == "Q4_K" else "Q4_K"]
+    v = repack(random_blocks(other, 13, 8, torch.Generator().manual_seed(36)).to(DEVICE), other, 13, 2048)
+    both = matvec_int8_pair(x[:1], (w, {**cfg, "gather": 1}), (v, {**cfg, "gather": 1}), q8_1=tuple(t[:1] for t in q8))
+    assert torch.equal(both[:, :21], matvec_int8(x[:1], w, gather=0, q8_1=tuple(t[:1] for t in q8), **cfg))
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_q4_k_matrix_unit_kernel_matches_the_reference(split_k):
     """mma 1 (M > 1): an int8 tl.dot per 32-element sub-block, rows of x padded to 16 with zeros, scales

@@ -55,14 +55,14 @@ def test_shipped_tuning_files_parse_and_use_known_keys():
                     assert set(cfg) <= {"block_n", "nb", "split_k", "num_warps", "num_stages"}
                     assert cfg.get("block_n", 8) >= 8
         for op, extra in (("matvec_flat", set()),
-                          ("matvec_int8", {"carry", "stage", "flat", "pieces", "unpack", "mma", "pipe"})):
+                          ("matvec_int8", {"carry", "stage", "flat", "pieces", "unpack", "mma", "pipe", "gather"})):
             for by_shape in table.get(op, {}).values():
                 for shape, by_m in by_shape.items():
                     assert shape in ("small", "medium", "large") or all(v.isdigit() for v in shape.split("x"))
                     for cfg in by_m.values():
                         assert set(cfg) <= {"block_n", "nb", "split_k", "num_warps"} | extra
                         assert cfg.get("block_n", 8) >= 8
-                        assert all(cfg.get(key, 0) in (0, 1) for key in ("carry", "stage", "flat", "pieces", "unpack"))
+                        assert all(cfg.get(key, 0) in (0, 1) for key in ("carry", "stage", "flat", "pieces", "unpack", "gather"))
                         assert cfg.get("pipe", 0) in (0, 1, 2)
                         assert cfg.get("mma", 0) in (0, 1, 2)  # 1: the tl.dot kernel, 2: the lanes kernels
         assert set(table.get("matvec_kernel", {}).values()) <= {"tiles", "flat", "int8"}
