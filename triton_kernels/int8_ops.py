@@ -2,7 +2,9 @@
 signed-byte products a lane (dp4a on NVIDIA, v_dot4_i32_i8 on AMD), `byte_permute` (prmt, v_perm_b32)
 and `lookup16`, a word of 8 nibbles made two words of a 16-entry table's int8 levels (IQ4_NL, MXFP4);
 each with the integer emulation that the interpreter (and a CPU tensor) runs, which the tests compare
-with the instructions where a GPU is."""
+with the instructions where a GPU is. And the loop pieces the dp4a kernels of matvec_int8.py and
+matvec_pieces.py share: a tile pointer's step (`advance`), the sums of a tile's low and high codes
+(`low_high_sums`) and their exact int-to-float (`exact_f32`)."""
 
 from __future__ import annotations
 
@@ -109,3 +111,37 @@ def pairs_order(lo, hi, DOT: tl.constexpr):
 def minus_32(code):
     """Four six-bit codes (bytes 0..63) as the signed bytes code - 32 (0x80808080 as an int32)."""
     return (code + 0x60606060) ^ -0x7F7F7F80
+
+
+@triton.jit
+def advance(more, step, CARRY: tl.constexpr):
+    """The step a tile pointer takes to the next tile. CARRY (the next tile is loaded at the end of an
+    iteration and carried into the next): 0 after the last tile, whose extra load then reloads it (a cache
+    hit) instead of reading past the split's end. Else each iteration loads its own tile first."""
+    if CARRY:
+        return tl.where(more, step, 0)
+    else:
+        return step
+
+
+@triton.jit
+def low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr,
+                  EXACT_ADD: tl.constexpr = False):
+    """The integer sums of four words of low codes and four of high codes against their activation words
+    ([BLOCK_N, G] each; the activations [1, G] broadcast over the rows), as f32 (exact_f32)."""
+    s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+    s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+    for i in tl.static_range(4):
+        s_lo = dot4(lo[i], xl[i], s_lo, DOT)
+        s_hi = dot4(hi[i], xh[i], s_hi, DOT)
+    return exact_f32(s_lo, EXACT_ADD), exact_f32(s_hi, EXACT_ADD)
+
+
+@triton.jit
+def exact_f32(s, EXACT_ADD: tl.constexpr):
+    """int32 s (|s| < 2^22) as f32: a conversion, or (EXACT_ADD) an integer add into the mantissa of 1.5 *
+    2^23 and a float subtract, both full-rate where the conversion is a quarter-rate instruction."""
+    if EXACT_ADD:
+        return (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        return s.to(tl.float32)

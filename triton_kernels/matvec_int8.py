@@ -10,8 +10,9 @@ each (low nibbles, high nibbles), so a block of 32 costs 8 dot4, 8 masks and a f
 activation row, where the float kernels spend 2-3 instructions on every element.
 
 Loads go along the rows: each row's quant words of a tile are one contiguous run (`flat` for the 32-element
-types; the `pieces` kernels for Q4_K and Q6_K, whose unit is a 16-byte piece of the quant plane with its
-scales decoded from the super-block's scale words), so a warp instruction reads 512 contiguous bytes.
+types; the `pieces` kernels for Q4_K and Q6_K in matvec_pieces.py, whose unit is a 16-byte piece of the
+quant plane with its scales decoded from the super-block's scale words), so a warp instruction reads 512
+contiguous bytes.
 Triton 3.6 lays a [rows, blocks, 4] load across 16 rows (16 cache lines an instruction), which kept these
 kernels L1-bound (docs/PERF.md, 2026-12-04, fourth sitting). At M > 1 the K-quants keep their groups kernels
 (per-group loads, the activations per row), and Q4_K has a matrix-unit kernel (`mma`; on the H200 at block_n
@@ -47,10 +48,7 @@ import triton.language as tl
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
-    field,
-    magic,
     program_rows,
-    program_rows_at,
     row_runs,
     q4_k_groups,
     q4_k_scale_decode,
@@ -60,15 +58,24 @@ from vegaserve.triton_kernels.flat_words import (
     q6_k_scales,
     split4,
     store_rows,
-    store_rows_at,
     zero_rows,
 )
-from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, EMULATE, PTX_DP4A, dot4, lookup16, minus_32
+from vegaserve.triton_kernels.int8_ops import (
+    AMDGCN_DOT4,
+    EMULATE,
+    PTX_DP4A,
+    advance,
+    dot4,
+    lookup16,
+    low_high_sums,
+    minus_32,
+)
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_flat import arrival_counts, plan_launch
 from vegaserve.triton_kernels.matvec_flat import candidates as flat_candidates
 from vegaserve.triton_kernels.matvec_mma import BLOCK_LANES, Q4_K_LANES, Q6_K_LANES, lanes_kernel
+from vegaserve.triton_kernels.matvec_pieces import pieces_pair_kernel, q4_k_pieces_kernel, q6_k_pieces_kernel
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
@@ -85,30 +92,6 @@ def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> 
 def _x_words(xrow, xw, OFF: tl.constexpr):
     """Four int32 words of q8_1 activations per group at word xw + OFF: [1, G] each (one 16-byte load)."""
     return split4(tl.load(xrow + xw + OFF)[None, :, :])
-
-
-@triton.jit
-def _advance(more, step, CARRY: tl.constexpr):
-    """The step a tile pointer takes to the next tile. CARRY (the next tile is loaded at the end of an
-    iteration and carried into the next): 0 after the last tile, whose extra load then reloads it (a cache
-    hit) instead of reading past the split's end. Else each iteration loads its own tile first."""
-    if CARRY:
-        return tl.where(more, step, 0)
-    else:
-        return step
-
-
-@triton.jit
-def _low_high_sums(lo, hi, xl, xh, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr,
-                   EXACT_ADD: tl.constexpr = False):
-    """The integer sums of four words of low codes and four of high codes against their activation words
-    ([BLOCK_N, G] each; the activations [1, G] broadcast over the rows), as f32 (_exact_f32)."""
-    s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-    s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-    for i in tl.static_range(4):
-        s_lo = dot4(lo[i], xl[i], s_lo, DOT)
-        s_hi = dot4(hi[i], xh[i], s_hi, DOT)
-    return _exact_f32(s_lo, EXACT_ADD), _exact_f32(s_hi, EXACT_ADD)
 
 
 @triton.jit
@@ -210,8 +193,8 @@ def _legacy_kernel(
             tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
-        qs += _advance(more, NB * WORDS, CARRY)
-        dp += _advance(more, NB * b0, CARRY)
+        qs += advance(more, NB * WORDS, CARRY)
+        dp += advance(more, NB * b0, CARRY)
         if WORDS == 8:
             acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
         else:
@@ -373,195 +356,18 @@ def _q4_k_kernel(
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
         more = it + 1 < n_iter
         acc = _q4_k_dots(tile, acts, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-        qs += _advance(more, NB * 32, CARRY)
-        dm += _advance(more, NB * b0, CARRY)
-        sp += _advance(more, NB * b1, CARRY)
-        xw += _advance(more, NB * 64, CARRY)
-        xb += _advance(more, NB * 8, CARRY)
-        w0 += _advance(more, NB * 64, CARRY)
-        b0_x += _advance(more, NB * 8, CARRY)
+        qs += advance(more, NB * 32, CARRY)
+        dm += advance(more, NB * b0, CARRY)
+        sp += advance(more, NB * b1, CARRY)
+        xw += advance(more, NB * 64, CARRY)
+        xb += advance(more, NB * 8, CARRY)
+        w0 += advance(more, NB * 64, CARRY)
+        b0_x += advance(more, NB * 8, CARRY)
         if CARRY:
             tile = _q4_k_tile(qs, dm, sp)  # the next tile's loads (ptxas issues them mid-loop)
             acts = _q4_k_tile_acts(xq_ptr, dx_ptr, sx_ptr, xw, xb, w0, b0_x, K, NB, ACTS, STAGED)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr):
-    """Loads of one Q4_K tile, each a contiguous run per row (so the lanes of a warp go along the row): the
-    quant words as [BLOCK_N, 8 NB, 4] (16-byte piece p = 8 sb + 2c + h: half h of 32-byte chunk c of
-    super-block sb) and the four words of each super-block's head record (dm, the 12 scale bytes) as
-    dm, a, b, c [BLOCK_N, NB]: GATHER 0 from a run of the row's records (hd [BLOCK_N, 4 NB]), split in
-    registers through shared memory (the run's words lie across lanes); 1 one load a word (hd [BLOCK_N,
-    NB], each record's first word), each where it is used."""
-    q = tl.reshape(tl.load(qs), [BLOCK_N, NB * 8, 4])
-    if GATHER:
-        dm, a, b, c = tl.load(hd), tl.load(hd + 1), tl.load(hd + 2), tl.load(hd + 3)
-    else:
-        dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
-    return q, dm, a, b, c
-
-
-@triton.jit
-def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
-    """One row of x for a pieces tile: the int32 words the low and the high nibbles of each piece multiply
-    (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]). GATHER 0: from
-    contiguous loads, rearranged (through shared memory: Triton converts the permuted tensors' layout);
-    1: each loaded where it is used, at its own offsets (tensors of 8 NB elements, which Triton's layout
-    pass re-materialises in the products' layout instead of converting)."""
-    # word sb * 64 + c * 16 + k * 8 + h * 4 + w (k = 0: the low nibbles' sub-block 2c, 1: the high's 2c + 1)
-    if GATHER:
-        p = tl.arange(0, NB * 8)
-        word = w0 + (p // 8) * 64 + ((p % 8) // 2) * 16 + (p % 2) * 4
-        xl = ()
-        xh = ()
-        for w in tl.static_range(4):
-            xl = xl + (tl.load(xrow + word + w)[None, :],)
-            xh = xh + (tl.load(xrow + word + 8 + w)[None, :],)
-        blk = b0 + (p // 8) * 8 + ((p % 8) // 2) * 2  # block sb * 8 + 2c, and + 1
-        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 1)[None, :]
-        sl, sh = tl.load(sxrow + blk)[None, :], tl.load(sxrow + blk + 1)[None, :]
-    else:
-        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 4, 2, 2, 4)), (0, 1, 3, 4, 2))
-        xl, xh = tl.split(xt)  # [NB, c, h, w]
-        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
-        dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
-        sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
-        # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
-        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
-        sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
-        sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
-    return xl, xh, dl, dh, sl, sh
-
-
-@triton.jit
-def _exact_f32(s, EXACT_ADD: tl.constexpr):
-    """int32 s (|s| < 2^22) as f32: a conversion, or (EXACT_ADD) an integer add into the mantissa of 1.5 *
-    2^23 and a float subtract, both full-rate where the conversion is a quarter-rate instruction."""
-    if EXACT_ADD:
-        return (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    else:
-        return s.to(tl.float32)
-
-
-@triton.jit
-def _q4_k_piece_scales(a, b, c, pp, UNPACK: tl.constexpr):
-    """The six-bit scale and min pairs of each piece pp (chunk c = pp // 2, half pp % 2) of each super-block,
-    from its scale words a, b, c [BLOCK_N, NB]: sc[2c] | sc[2c + 1] << 8 and the same of the mins (UNPACK
-    1: zero on the second half's pieces, whose min term the first half's carries) [BLOCK_N, NB, 8].
-    UNPACK 0 forms both the chunks-0/1 and the chunks-2/3 value and selects; UNPACK 1 selects the source
-    word and masks once (the masks per piece)."""
-    shift = ((pp // 2) % 2 * 16)[None, None, :]  # scale bytes 2c, 2c + 1 of the pair's word
-    upper = (pp >= 4)[None, None, :]  # chunks 2, 3: sub-blocks 4..7, six bits from two places
-    if UNPACK:
-        first = (pp % 2 == 0)[None, None, :]
-        low = tl.where(upper, 0x0F0F, 0x3F3F)
-        high = tl.where(upper, 0x3030, 0)
-        sc = ((tl.where(upper, c[:, :, None], a[:, :, None]) >> shift) & low) | ((a[:, :, None] >> (shift + 2)) & high)
-        mn = (((tl.where(upper, c[:, :, None] >> 4, b[:, :, None]) >> shift) & tl.where(first, low, 0))
-              | ((b[:, :, None] >> (shift + 2)) & tl.where(first, high, 0)))
-    else:
-        a3 = a[:, :, None] >> shift
-        b3 = b[:, :, None] >> shift
-        c3 = c[:, :, None] >> shift
-        sc = tl.where(upper, (c3 & 0x0F0F) | ((a3 >> 2) & 0x3030), a3 & 0x3F3F)
-        mn = tl.where(upper, ((c3 >> 4) & 0x0F0F) | ((b3 >> 2) & 0x3030), b3 & 0x3F3F)
-    return sc, mn
-
-
-@triton.jit
-def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
-    """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
-    their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece.
-    UNPACK 1: the scales as _q4_k_piece_scales' UNPACK 1, and every int-to-float conversion an exact
-    integer-and-float pair (flat_words.field, _exact_f32; `mags`: the magics of bits 0 and 8). The same
-    products, bitwise."""
-    q, dm, a, b, c = tile
-    P: tl.constexpr = NB * 8
-    pp = tl.arange(0, 8)
-    sc, mn = _q4_k_piece_scales(a, b, c, pp, UNPACK)
-    d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
-    dmin = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
-    if UNPACK:
-        sc_lo = tl.reshape(d * field(sc, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
-        sc_hi = tl.reshape(d * field(sc, 0xFF, 8, mags[1], 0), (BLOCK_N, P))
-        mn_lo = tl.reshape(dmin * field(mn, 0xFF, 0, mags[0], 0), (BLOCK_N, P))
-        mn_hi = tl.reshape(dmin * field(mn, 0xFF, 8, mags[1], 0), (BLOCK_N, P))
-    else:
-        first_min = tl.where((pp % 2 == 0)[None, None, :], dmin, 0.0)
-        sc_lo = tl.reshape(d * (sc & 0xFF).to(tl.float32), (BLOCK_N, P))
-        sc_hi = tl.reshape(d * (sc >> 8).to(tl.float32), (BLOCK_N, P))
-        mn_lo = tl.reshape(first_min * (mn & 0xFF).to(tl.float32), (BLOCK_N, P))
-        mn_hi = tl.reshape(first_min * (mn >> 8).to(tl.float32), (BLOCK_N, P))
-    words = split4(q)  # byte t of word i: element 16h + 4i + t of sub-block 2c (low nibble), 2c + 1 (high)
-    lo = ()
-    hi = ()
-    for i in tl.static_range(4):
-        lo = lo + (words[i] & 0x0F0F0F0F,)
-        hi = hi + ((words[i] >> 4) & 0x0F0F0F0F,)
-    new = ()
-    for m in tl.static_range(M):
-        xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
-                                                  sx_ptr + m * (K // 32), w0, b0, NB, GATHER)
-        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
-        new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
-    return new
-
-
-@triton.jit
-def _q4_k_pieces_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
-    N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
-):
-    """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
-    (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
-    pdl.let_next_start(PDL)
-    _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
-                 blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK, GATHER)
-
-
-@triton.jit
-def _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
-                 blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
-    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at); GATHER: _q4_k_piece_tile's
-    and _q4_k_piece_acts'."""
-    mags = (magic(0, N > 0, False), magic(8, N > 0, False))
-    rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
-    if GATHER:  # each record's first word
-        hd = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first + tl.arange(0, NB))[None, :] * 4
-    else:
-        hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
-    w0 = first * 64  # the tile's first activation word and q8_1 block
-    bx = first * 8
-    acc = zero_rows(M, BLOCK_N, NB * 8)
-    if CARRY:
-        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
-        pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
-        more = it + 1 < n_iter
-        qs += _advance(more, NB * 32, CARRY)
-        hd += _advance(more, NB * 4, CARRY)
-        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK,
-                               GATHER)
-        w0 += NB * 64
-        bx += NB * 8
-        if CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)  # the next tile's loads
-    pdl.wait_for_inputs(PDL)
-    store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
 
 
 @triton.jit
@@ -660,7 +466,7 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
             xrow = xq_ptr + m * (K // 4)
             xl = _x_words(xrow, xw, 8 * gm)
             xh = _x_words(xrow, xw, 8 * gm + 16)
-            s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, G, DOT)
+            s_lo, s_hi = low_high_sums(lo, hi, xl, xh, BLOCK_N, G, DOT)
             xs = dx_ptr + m * (K // 32) + xb + gm
             dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
             acc_g = acc_g + (new[m] + sc_lo * dx_lo * s_lo + sc_hi * dx_hi * s_hi,)
@@ -694,191 +500,16 @@ def _q6_k_kernel(
         pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
         more = it + 1 < n_iter
         acc = _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-        qh_p += _advance(more, NB * 16, CARRY)
-        ql_p += _advance(more, NB * 32, CARRY)
-        sp += _advance(more, NB * b2, CARRY)
-        dp += _advance(more, NB * b3, CARRY)
+        qh_p += advance(more, NB * 16, CARRY)
+        ql_p += advance(more, NB * 32, CARRY)
+        sp += advance(more, NB * b2, CARRY)
+        dp += advance(more, NB * b3, CARRY)
         if CARRY:
             tile = _q6_k_tile(qh_p, ql_p, sp, dp, l4)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 64
         xb += NB * 8
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    """Loads of one Q6_K tile, each a contiguous run per row: the ql words as [BLOCK_N, 8 NB, 4] (16-byte
-    piece p = 8 sb + 4h + u: ql bytes 64h + 16u ..), the qh words that go with each piece (qh bytes
-    32h + 16 (u % 2) .., each qh run serving two pieces), the scale words [BLOCK_N, NB] x 4 and d. (Each
-    piece's qh loaded for it instead, GATHER-style, gave the products a layout of their own and eight
-    conversions an iteration in Triton 3.6.)"""
-    ql = tl.reshape(tl.load(ql_p), [BLOCK_N, NB * 8, 4])
-    qh = tl.reshape(tl.load(qh_p), [BLOCK_N, NB, 2, 1, 2, 4])  # (sb, h, -, u % 2, w)
-    qh = tl.reshape(tl.broadcast_to(qh, [BLOCK_N, NB, 2, 2, 2, 4]), [BLOCK_N, NB * 8, 4])  # (sb, h, u // 2, u % 2)
-    s0, s1, s2, s3 = split4(tl.reshape(tl.load(sp), [BLOCK_N, NB, 4]))
-    d = tl.load(dp).to(tl.float32)
-    return ql, qh, s0, s1, s2, s3, d
-
-
-@triton.jit
-def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
-    """One row of x for a Q6_K pieces tile: the words the low nibbles (elements 128h + 16u ..) and the high
-    nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their q8_1 scales [1, 8 NB]; GATHER as
-    _q4_k_piece_acts'."""
-    # word sb * 64 + 32h + 16k + 4u + w (k = 0: low nibbles, 1: high)
-    if GATHER:
-        p = tl.arange(0, NB * 8)  # piece 8 sb + 4h + u
-        word = w0 + (p // 8) * 64 + ((p % 8) // 4) * 32 + (p % 4) * 4
-        xl = ()
-        xh = ()
-        for w in tl.static_range(4):
-            xl = xl + (tl.load(xrow + word + w)[None, :],)
-            xh = xh + (tl.load(xrow + word + 16 + w)[None, :],)
-        blk = b0 + (p // 8) * 8 + ((p % 8) // 4) * 4 + (p % 4) // 2  # block sb * 8 + 4h + u // 2, and + 2
-        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 2)[None, :]
-    else:
-        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 2, 2, 4, 4)), (0, 1, 3, 4, 2))
-        xl, xh = tl.split(xt)  # [NB, h, u, w]
-        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
-        # q8_1 block sb * 8 + 4h + 2k + u // 2
-        v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
-        dl, dh = tl.split(v)  # [NB, h, u // 2]
-        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
-    return xl, xh, dl, dh
-
-
-@triton.jit
-def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
-    """A Q6_K pieces tile's products: each piece's 16 low-nibble codes (sub-block 8h + u) and 16
-    high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2).
-    UNPACK 1: the signed scale bytes and the integer sums made floats by exact adds (flat_words.field with
-    the signed magic `smag`, _exact_f32) instead of conversions; the same products, bitwise."""
-    ql, qh, s0, s1, s2, s3, d = tile
-    P: tl.constexpr = NB * 8
-    pp = tl.arange(0, 8)
-    first = (pp < 4)[None, None, :]  # h = 0
-    byte = (8 * (pp % 4))[None, None, :]
-    sc_lo = tl.where(first, s0[:, :, None], s2[:, :, None])  # scale byte 8h + u, then 8h + 4 + u
-    sc_hi = tl.where(first, s1[:, :, None], s3[:, :, None])
-    if UNPACK:
-        sc_lo = tl.reshape(d[:, :, None] * field(sc_lo >> byte, 0xFF, 0, smag, 128), (BLOCK_N, P))
-        sc_hi = tl.reshape(d[:, :, None] * field(sc_hi >> byte, 0xFF, 0, smag, 128), (BLOCK_N, P))
-    else:
-        sc_lo = tl.reshape(d[:, :, None] * (((sc_lo << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
-        sc_hi = tl.reshape(d[:, :, None] * (((sc_hi << (24 - byte)) >> 24).to(tl.float32)), (BLOCK_N, P))
-    shift = tl.reshape(tl.broadcast_to((2 * ((pp % 4) // 2))[None, None, :], (1, NB, 8)), (1, P))
-    lq = split4(ql)
-    hq = split4(qh)
-    lo = ()
-    hi = ()
-    for i in tl.static_range(4):
-        h2 = hq[i] >> shift
-        lo = lo + (minus_32((lq[i] & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)),)
-        hi = hi + (minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
-    new = ()
-    for m in tl.static_range(M):
-        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB, GATHER)
-        s_lo, s_hi = _low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
-        new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi,)
-    return new
-
-
-@triton.jit
-def _q6_k_pieces_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
-    N, K, blocks_per_split,  # super-blocks of 256
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
-):
-    """Q6_K with the lanes along each row (as _q4_k_pieces_kernel): every plane loaded as contiguous runs."""
-    pdl.let_next_start(PDL)
-    _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-                 blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK, GATHER)
-
-
-@triton.jit
-def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-                 blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
-    """The Q6_K pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
-    smag = magic(0, N > 0, True)
-    rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
-    ql_p = row_runs(base, o0, r0, r64, first * 32, NB * 32, tl.int32)
-    qh_p = row_runs(base, o1, r1, r64, first * 16, NB * 16, tl.int32)
-    sp = row_runs(base, o2, r2, r64, first * 4, NB * 4, tl.int32)
-    dp = row_runs(base, o3, r3, r64, first, NB, tl.float16)
-    w0 = first * 64
-    bx = first * 8
-    acc = zero_rows(M, BLOCK_N, NB * 8)
-    if CARRY:
-        tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
-        pdl.wait_for_inputs(PDL)
-        more = it + 1 < n_iter
-        ql_p += _advance(more, NB * 32, CARRY)
-        qh_p += _advance(more, NB * 16, CARRY)
-        sp += _advance(more, NB * 4, CARRY)
-        dp += _advance(more, NB, CARRY)
-        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK, GATHER)
-        w0 += NB * 64
-        bx += NB * 8
-        if CARRY:
-            tile = _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N, NB)
-    pdl.wait_for_inputs(PDL)
-    store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
-
-
-@triton.jit
-def _pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-            blocks_per_split, pn, pk, KIND: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-            SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
-            GATHER: tl.constexpr):
-    """One row of x times a K-quant matrix at (pn, pk) of its pieces grid: KIND 12 Q4_K, 14 Q6_K."""
-    if KIND == 12:
-        _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
-    else:
-        _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
-
-
-@triton.jit
-def _pieces_pair_kernel(
-    xq_ptr, dx_ptr, sx_ptr, K,
-    base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a, per_split_a,
-    base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b, per_split_b,
-    KIND_A: tl.constexpr, BLOCK_N_A: tl.constexpr, NB_A: tl.constexpr, SPLIT_A: tl.constexpr,
-    CARRY_A: tl.constexpr, UNPACK_A: tl.constexpr, GATHER_A: tl.constexpr,
-    KIND_B: tl.constexpr, BLOCK_N_B: tl.constexpr, NB_B: tl.constexpr, SPLIT_B: tl.constexpr,
-    CARRY_B: tl.constexpr, UNPACK_B: tl.constexpr, GATHER_B: tl.constexpr,
-    DOT: tl.constexpr, PDL: tl.constexpr,
-):
-    """One row of x times two K-quant matrices of different types in one launch (matvec_int8_pair): the
-    first tiles(a) x SPLIT_A programs are matrix a's pieces grid in its launch order (row tiles first),
-    the rest matrix b's. Each matrix keeps its own launch parameters; the kernel's registers are the
-    larger of the two."""
-    pdl.let_next_start(PDL)
-    pid = tl.program_id(0)
-    tiles_a = tl.cdiv(N_a, BLOCK_N_A)
-    if pid < tiles_a * SPLIT_A:
-        _pieces(xq_ptr, dx_ptr, sx_ptr, base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a,
-                K, per_split_a, pid % tiles_a, pid // tiles_a, KIND_A, BLOCK_N_A, NB_A, SPLIT_A, DOT, CARRY_A,
-                PDL, UNPACK_A, GATHER_A)
-    else:
-        q = pid - tiles_a * SPLIT_A
-        tiles_b = tl.cdiv(N_b, BLOCK_N_B)
-        _pieces(xq_ptr, dx_ptr, sx_ptr, base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b,
-                K, per_split_b, q % tiles_b, q // tiles_b, KIND_B, BLOCK_N_B, NB_B, SPLIT_B, DOT, CARRY_B, PDL,
-                UNPACK_B, GATHER_B)
 
 
 # type id -> kernel; the tiles (and so the launch rule) are matvec_flat's
@@ -965,10 +596,10 @@ def choose_kernel(type_id: int, m: int, params: dict[str, int]) -> tuple[object,
     if type_id == Q4_K and params.get("pieces", int(m == 1)):
         # M = 1: 1.38-1.52x on the 8B shapes; M = 8: 0.72x. unpack 1 (fewer slow instructions): the tuning
         # file's choice per shape (28672x4096: 22.3 -> 20.6 us at block_n 16, nb 32 on an H200)
-        return _q4_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
+        return q4_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
     if type_id == Q6_K and params.get("pieces", int(m == 1)):
         # M = 1: 1.3-2.8x with block_n 8 (the tuning file's); unpack 1: no faster on the H200's shapes
-        return _q6_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
+        return q6_k_pieces_kernel, {"UNPACK": params.get("unpack", 0), "GATHER": params.get("gather", 0)}
     if type_id == Q4_K:
         return kernel, {**type_args, "STAGE": params.get("stage", 1)}  # 1.04-1.09x on the 8B shapes
     return kernel, type_args
@@ -1041,7 +672,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     return y
 
 
-_PIECES = {_q4_k_pieces_kernel: Q4_K, _q6_k_pieces_kernel: Q6_K}
+_PIECES = {q4_k_pieces_kernel: Q4_K, q6_k_pieces_kernel: Q6_K}
 
 
 def pairs(a: tuple[PackedWeight, dict[str, int]], b: tuple[PackedWeight, dict[str, int]]) -> bool:
@@ -1084,7 +715,7 @@ def matvec_int8_pair(x: torch.Tensor, a: tuple[PackedWeight, dict[str, int]], b:
     fa, fb = wa.field_args(), wb.field_args()
     offsets_a = [v for i in range(0, 12, 3) for v in fa[i:i + 2]]  # each field's offset and row stride
     offsets_b = [v for i in range(0, 12, 3) for v in fb[i:i + 2]]
-    _pieces_pair_kernel[(tiles_a * plan_a.split + tiles_b * plan_b.split,)](
+    pieces_pair_kernel[(tiles_a * plan_a.split + tiles_b * plan_b.split,)](
         q.view(torch.int32), dx, sx, K,
         wa.data, part_a, y_a, counts, *offsets_a, wa.n, plan_a.per_split,
         wb.data, part_b, y_b, counts[tiles_a:], *offsets_b, wb.n, plan_b.per_split,

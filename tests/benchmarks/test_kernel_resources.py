@@ -57,7 +57,7 @@ def test_loop_bytes_is_one_super_block_for_the_k_quant_lanes_kernels_whatever_nb
     consts = {"BLOCK_N": 64, "NB": 8, "KIND": 1}
     assert loop_bytes("Q4_K", "lanes_kernel", consts, 4) == 16 * 144
     assert loop_bytes("Q8_0", "lanes_kernel", {**consts, "KIND": 0}, 4) == 16 * 8 * 34
-    assert loop_bytes("Q4_K", "_q4_k_pieces_kernel", consts, 4) == 16 * 8 * 144
+    assert loop_bytes("Q4_K", "q4_k_pieces_kernel", consts, 4) == 16 * 8 * 144
 
 
 def test_offline_compile_specializes_the_integer_arguments_as_a_launch_does():

@@ -33,14 +33,14 @@ kernels = {
     "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True, FLAT=1)),
     "Q4_K": (mv._q4_k_kernel, dict(NB=8, STAGE=1)),
     "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
-    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q4_K_pieces_unpack": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
-    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q6_K_pieces_unpack": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
-    "Q4_K_pieces_gather": (mv._q4_k_pieces_kernel, dict(NB=2, UNPACK=1, GATHER=1)),
-    "Q6_K_pieces_gather": (mv._q6_k_pieces_kernel, dict(NB=2, UNPACK=0, GATHER=1)),
+    "Q4_K_pieces": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
+    "Q4_K_pieces_unpack": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
+    "Q6_K_pieces": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
+    "Q6_K_pieces_unpack": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
+    "Q4_K_pieces_gather": (mv.q4_k_pieces_kernel, dict(NB=2, UNPACK=1, GATHER=1)),
+    "Q6_K_pieces_gather": (mv.q6_k_pieces_kernel, dict(NB=2, UNPACK=0, GATHER=1)),
     # a layer's Q4_K q/k and Q6_K v in one launch, with the H200 file's launches of 5120x4096 and 1024x4096
-    "pair": (mv._pieces_pair_kernel, dict(KIND_A=mv.Q4_K, BLOCK_N_A=32, NB_A=2, SPLIT_A=4, CARRY_A=0, UNPACK_A=0,
+    "pair": (mv.pieces_pair_kernel, dict(KIND_A=mv.Q4_K, BLOCK_N_A=32, NB_A=2, SPLIT_A=4, CARRY_A=0, UNPACK_A=0,
                                           GATHER_A=1, KIND_B=mv.Q6_K, BLOCK_N_B=8, NB_B=2, SPLIT_B=16, CARRY_B=0,
                                           UNPACK_B=0, GATHER_B=0, DOT=dot, PDL=False)),
 }
@@ -124,8 +124,8 @@ common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=0, PDL=False)
 kernels = {
     "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
     "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
-    "Q4_K_pieces": (mv._q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q6_K_pieces": (mv._q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
+    "Q4_K_pieces": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
+    "Q6_K_pieces": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
 }
 for name, (fn, consts) in kernels.items():
     ttgir = sm90(fn, {**common, **consts}, 4)["ttgir"]

@@ -128,6 +128,19 @@ def test_tuning_file_picks_the_decode_kernel_per_type_and_the_layer_runs_it(tmp_
     assert torch.equal(layer(x.to(device)).cpu().double(), y) and made == [1]
 
 
+def _mixed_qkv(gen, device: str, k: int, sizes: list[int]) -> list:
+    """WeightSources of a Q4_K_M mixed q/k/v: random Q4_K q and k and a Q6_K v of `sizes` rows and k columns."""
+    from vegaserve.engine.gguf_file import TensorInfo
+    from vegaserve.engine.layers.linear import WeightSource
+    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+    sources = []
+    for (tid, name), rows in zip(((12, "Q4_K"), (12, "Q4_K"), (14, "Q6_K")), sizes, strict=True):
+        raw = random_blocks(tid, rows, k // 256, gen).to(device)
+        sources.append(WeightSource(TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    return sources
+
+
 def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_path, monkeypatch):
     """Q4_K q/k with a Q6_K v (the Q4_K_M mix): at one row each int8 mat-vec writes its columns of the
     layer's output in place (no torch.cat), and each part equals the reference product on the same q8_1
@@ -136,19 +149,14 @@ def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_pat
 
     import torch
 
-    from vegaserve.engine.gguf_file import TensorInfo
     from vegaserve.engine.layers import linear
-    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod
     from vegaserve.triton_kernels import matvec_int8
-    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
     gen = torch.Generator().manual_seed(5)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     k, sizes = 256, [16, 8, 8]
-    sources = []
-    for (tid, name), rows in zip(((12, "Q4_K"), (12, "Q4_K"), (14, "Q6_K")), sizes, strict=True):
-        raw = random_blocks(tid, rows, 1, gen).to(device)
-        sources.append(WeightSource(TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    sources = _mixed_qkv(gen, device, k, sizes)
     f = tmp_path / "t.json"
     f.write_text(json.dumps({"matvec_kernel": {"Q4_K": "int8", "Q6_K": "int8"}}))
     layer = QuantLinear(k, sizes, TritonMethod(tuning_file=str(f)))
@@ -175,18 +183,13 @@ def test_tuning_file_pairs_a_layers_two_k_quant_matrices_into_one_launch(tmp_pat
     rows the two launches stay. Without the key nothing pairs."""
     import torch
 
-    from vegaserve.engine.gguf_file import TensorInfo
-    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+    from vegaserve.engine.layers.linear import QuantLinear, TritonMethod
     from vegaserve.triton_kernels import matvec_int8
-    from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
     gen = torch.Generator().manual_seed(6)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     k, sizes = 512, [16, 8, 8]
-    sources = []
-    for (tid, name), rows in zip(((12, "Q4_K"), (12, "Q4_K"), (14, "Q6_K")), sizes, strict=True):
-        raw = random_blocks(tid, rows, 2, gen).to(device)
-        sources.append(WeightSource(TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0), raw.reshape(-1), "t.gguf"))
+    sources = _mixed_qkv(gen, device, k, sizes)
     layers = {}
     for pairs_on in (False, True):
         f = tmp_path / f"t{int(pairs_on)}.json"
