@@ -64,6 +64,15 @@ def _words_at(xrow, word, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _run_words(xrow, w0, NB: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """gather 0's activation words: the tile's run of x, word (sb, a, k, b, w) of [NB, A, 2, B, 4] (k 0 the
+    low nibbles', 1 the high nibbles'), split by k and put in piece order (sb, a, b) as 4 [1, 8 NB] each."""
+    xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, A, 2, B, 4)), (0, 1, 3, 4, 2))
+    xl, xh = tl.split(xt)  # [NB, A, B, w]
+    return split4(tl.reshape(xl, (1, NB * 8, 4))), split4(tl.reshape(xh, (1, NB * 8, 4)))
+
+
+@triton.jit
 def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
     """One row of x for a pieces tile: the int32 words the low and the high nibbles of each piece multiply
     (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]). GATHER 0: from
@@ -78,10 +87,7 @@ def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.co
         dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 1)[None, :]
         sl, sh = tl.load(sxrow + blk)[None, :], tl.load(sxrow + blk + 1)[None, :]
     else:
-        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 4, 2, 2, 4)), (0, 1, 3, 4, 2))
-        xl, xh = tl.split(xt)  # [NB, c, h, w]
-        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+        xl, xh = _run_words(xrow, w0, NB, 4, 2)  # (sb, c, k, h, w)
         dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
         sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
         # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
@@ -236,10 +242,7 @@ def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr
         blk = b0 + (p // 8) * 8 + ((p % 8) // 4) * 4 + (p % 4) // 2  # block sb * 8 + 4h + u // 2, and + 2
         dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 2)[None, :]
     else:
-        xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, 2, 2, 4, 4)), (0, 1, 3, 4, 2))
-        xl, xh = tl.split(xt)  # [NB, h, u, w]
-        xl = split4(tl.reshape(xl, (1, NB * 8, 4)))
-        xh = split4(tl.reshape(xh, (1, NB * 8, 4)))
+        xl, xh = _run_words(xrow, w0, NB, 2, 4)  # (sb, h, k, u, w)
         # q8_1 block sb * 8 + 4h + 2k + u // 2
         v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
         dl, dh = tl.split(v)  # [NB, h, u // 2]
