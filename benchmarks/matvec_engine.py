@@ -70,7 +70,13 @@ def main() -> None:
             q8 = quantize_q8_1(x)
             xd = (q8[0].float().view(m, -1, 32) * q8[1][..., None]).view(m, k)
             ref = xd @ dense.T
-            err = float((matvec_int8(x, w, q8_1=q8, **extra) - ref).norm() / ref.norm())
+            try:
+                err = float((matvec_int8(x, w, q8_1=q8, **extra) - ref).norm() / ref.norm())
+            except ValueError as e:  # a variant the launcher refuses at this M (pipe without mma 2, ...)
+                if not extra:
+                    raise
+                print(f"| {name} | {shape} | {m} | {json.dumps(extra)} | refused: {e} |||||", flush=True)
+                continue
             if not err < 1e-4:
                 if not extra:
                     raise SystemExit(f"{name} {shape} M={m} (tuning file): relative error {err:.2e}")

@@ -546,8 +546,8 @@ def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[s
     the eighth sitting, docs/PERF.md: 8 warps lost everywhere, 1 and 2 won on four of the seven shapes); the
     32-element types with 4 and 8 blocks a tile (Q4_K: a super-block an iteration, nb 8); the smallest
     power-of-two split-K that gives two programs an SM, with at least two tiles a split, and twice that.
-    Q4_K: each also with pipe 1 and 2, at its split and half of it (pipe 2's registers leave fewer
-    programs an SM, so fewer programs may be the faster launch)."""
+    Each also with pipe 1 and 2, at its split and half of it (pipe 2's registers leave fewer programs an
+    SM, so fewer programs may be the faster launch)."""
     qk = 256 if type_id in (Q4_K, Q6_K) else 32
     out = []
     for block_n, warps in ((32, 1), (64, 2), (64, 4), (128, 4)):
@@ -558,11 +558,10 @@ def lanes_candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[s
                 split *= 2
             out += [{"mma": 2, "block_n": block_n, "num_warps": warps, "nb": nb, "split_k": s, "carry": 1}
                     for s in sorted({split, split * 2 if tiles // (2 * split) >= 2 else split})]
-    if type_id == Q4_K:  # and its pipelined loops (matvec_mma._q4_k_pipelined), with half the split too
-        out += [{**c, "pipe": pipe, "split_k": s} for c in list(out) for pipe in (1, 2)
-                for s in sorted({c["split_k"], max(1, c["split_k"] // 2)})]
-        out = [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
-    return out
+    # and the pipelined loops (matvec_mma._pipelined), at half the split too
+    out += [{**c, "pipe": pipe, "split_k": s} for c in list(out) for pipe in (1, 2)
+            for s in sorted({c["split_k"], max(1, c["split_k"] // 2)})]
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in out)]
 
 
 def has_matrix_units(device: torch.device) -> bool:
@@ -628,9 +627,9 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
     pieces kernels): int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks).
     gather 1 (the pieces kernels): the activations, their q8_1 scales (and Q4_K's head words) loaded
     where each thread uses them instead of in runs rearranged through shared memory (no barrier in the
-    loop). pipe 1, 2 (Q4_K, mma 2): the lanes kernel issues its weight loads ahead of the products before them
-    (matvec_mma._q4_k_pipelined: 1 half a super-block ahead, 2 a whole one) in place of carry's loads
-    after them.
+    loop). pipe 1, 2 (mma 2; the 32-element types with tiles of 4 blocks or more): the lanes kernel
+    issues its weight loads ahead of the products before them (matvec_mma._pipelined: 1 half a tile
+    ahead, 2 a whole one) in place of carry's loads after them.
     mma and unpack 1 are the tuning file's choice per shape (on the H200: mma 2 at M = 8 of 28672x4096
     and 4096x14336).
     Unset launch parameters: the tuning file's "matvec_int8" entry, else matvec_flat's rule (carry 1).
@@ -646,8 +645,10 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, block_n: int | None = None, nb
         raise ValueError(f"mma {mma} is an NVIDIA matrix-unit kernel; gfx906 has no matrix units")
     if plan.params.get("pipe", 0) not in (0, 1, 2):
         raise ValueError(f"pipe is 0, 1 or 2; got {plan.params['pipe']}")
-    if plan.params.get("pipe", 0) and not (mma == 2 and w.type_id == Q4_K):
-        raise ValueError(f"pipe is the Q4_K lanes kernel's loop (mma 2); got {w.type_name} with mma {mma}")
+    if plan.params.get("pipe", 0) and mma != 2:
+        raise ValueError(f"pipe is the lanes kernels' loop (mma 2); got mma {mma}")
+    if plan.params.get("pipe", 0) and w.type_id not in (Q4_K, Q6_K) and plan.per_tile < 4:
+        raise ValueError(f"pipe takes tiles of 4 blocks or more (two halves read in pairs); got {plan.per_tile}")
     if mma == 2:
         lanes_rows = 16 * plan.params["num_warps"]
         if plan.params["block_n"] % lanes_rows:

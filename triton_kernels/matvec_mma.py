@@ -133,17 +133,19 @@ def _q4_k_half_products(quants, heads, acc, e: tl.constexpr, xp, xo, lo, xlive, 
 
 
 @triton.jit
-def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr):
-    """One lane's loads of NB blocks of one row: the quant bytes (WORDS 8: 8 bytes at 8t of each block's 32;
-    4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their bytes allow. (Q8_0 in 16-byte
-    loads and exchange_halves, as Q4_K, measured slower: docs/PERF.md, eighth sitting.)"""
+def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr, FIRST: tl.constexpr = 0):
+    """One lane's loads of NB blocks of one row from block FIRST of the tile on: the quant bytes (WORDS 8: 8
+    bytes at 8t of each block's 32; 4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their
+    bytes allow. (Q8_0 in 16-byte loads and exchange_halves, as Q4_K, measured slower: docs/PERF.md, eighth
+    sitting.)"""
+    SIZE: tl.constexpr = 1 if E8M0 else 2
     q = ()
-    for b in tl.static_range(NB):
+    for b in tl.static_range(FIRST, FIRST + NB):
         if WORDS == 8:
             q = q + (tl.load((qp + 32 * b).to(tl.pointer_type(tl.int64))),)
         else:
             q = q + (tl.load((qp + 16 * b).to(tl.pointer_type(tl.int32))),)
-    return q, byte_words(dp, NB * (1 if E8M0 else 2))
+    return q, byte_words(dp + FIRST * SIZE, NB * SIZE)
 
 
 @triton.jit
@@ -173,22 +175,24 @@ def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr
 
 @triton.jit
 def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
-                     WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr):
-    """NB blocks' products for the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first
-    element of column g; the B words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble
-    types: 4t.. and 16 + 4t..). Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
-    dx0 = f32_run(dxp[0], clive[0], NB)
-    dx1 = f32_run(dxp[1], clive[1], NB)
+                     WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr,
+                     FIRST: tl.constexpr = 0):
+    """The products of NB blocks, blocks FIRST .. of the tile (`tile`: their loads, _legacy_rows_tile's), for
+    the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first element of column g; the B
+    words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble types: 4t.. and 16 + 4t..).
+    Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
+    dx0 = f32_run(dxp[0] + FIRST, clive[0], NB)
+    dx1 = f32_run(dxp[1] + FIRST, clive[1], NB)
     if TABLE == 0 and WORDS == 4:
-        sx0 = f32_run(sxp[0], clive[0], NB)
-        sx1 = f32_run(sxp[1], clive[1], NB)
+        sx0 = f32_run(sxp[0] + FIRST, clive[0], NB)
+        sx1 = f32_run(sxp[1] + FIRST, clive[1], NB)
     new = acc
     for b in tl.static_range(NB):
         if WORDS == 8:
-            x0, x1 = halves(tl.load((xp + 32 * b).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+            x0, x1 = halves(tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
         else:
-            x0 = tl.load((xp + 32 * b).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
-            x1 = tl.load((xp + 32 * b + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            x0 = tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            x1 = tl.load((xp + 32 * (FIRST + b) + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
             if TABLE != 0:
                 x0, x1 = pairs_order(x0, x1, DOT)
         out = ()
@@ -214,17 +218,18 @@ def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: 
 
 
 @triton.jit
-def _q6_k_rows_tile(qlp, qhp, sp, dp):
-    """One lane's loads of a Q6_K super-block for one row: the ql words at 64h + 32p + 16u + 4t (index
-    4h + 2p + u), the qh words at 32h + 16u + 4t (2h + u), the 16 scale bytes (4 words) and d."""
+def _q6_k_rows_tile(qlp, qhp, sp, dp, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 2):
+    """One lane's loads of halves FIRST .. FIRST + COUNT - 1 of a Q6_K super-block (128 elements each) for
+    one row: the ql words at 64h + 32p + 16u + 4t (index 4h + 2p + u, h counted from FIRST), the qh words at
+    32h + 16u + 4t (2h + u), the halves' scale bytes (2 words a half) and d."""
     ql = ()
-    for i in tl.static_range(8):
+    for i in tl.static_range(4 * FIRST, 4 * (FIRST + COUNT)):
         ql = ql + (tl.load((qlp + 64 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
     qh = ()
-    for i in tl.static_range(4):
+    for i in tl.static_range(2 * FIRST, 2 * (FIRST + COUNT)):
         qh = qh + (tl.load((qhp + 32 * (i // 2) + 16 * (i % 2)).to(tl.pointer_type(tl.int32))),)
     d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return ql, qh, byte_words(sp, 16), d
+    return ql, qh, byte_words(sp + 8 * FIRST, 8 * COUNT), d
 
 
 @triton.jit
@@ -243,17 +248,20 @@ def _q6_k_scale(words, i: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
-    """A Q6_K super-block's products for the lane's R groups (acc as _q4_k_products'): one m16n8k16 per
-    16-element sub-block; the two sub-blocks of a q8_1 block (u = 0, 1) combined in int32 with their
-    scales, then scaled by d dx once."""
-    dx0 = f32_run(dxp[0], clive[0], 8)
-    dx1 = f32_run(dxp[1], clive[1], 8)
+def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+                   FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 2):
+    """The products of halves FIRST .. FIRST + COUNT - 1 of a Q6_K super-block (`tile`: their loads,
+    _q6_k_rows_tile's) for the lane's R groups (acc as _q4_k_products'): one m16n8k16 per 16-element
+    sub-block; the two sub-blocks of a q8_1 block (u = 0, 1) combined in int32 with their scales, then
+    scaled by d dx once."""
+    dx0 = f32_run(dxp[0] + 4 * FIRST, clive[0], 4 * COUNT)
+    dx1 = f32_run(dxp[1] + 4 * FIRST, clive[1], 4 * COUNT)
     new = acc
-    for hj in tl.static_range(8):  # q8_1 block 4h + j of the super-block
+    for hj in tl.static_range(4 * COUNT):  # q8_1 block 4 (FIRST + h) + j of the super-block
         xs = ()
         for u in tl.static_range(2):
-            xs = xs + (tl.load((xp + 32 * hj + 16 * u).to(tl.pointer_type(tl.int32)), mask=xlive, other=0),)
+            xs = xs + (tl.load((xp + 32 * (4 * FIRST + hj) + 16 * u).to(tl.pointer_type(tl.int32)), mask=xlive,
+                               other=0),)
         out = ()
         for r in tl.static_range(R):
             top_ql, top_qh, top_s, top_d = tile[2 * r]
@@ -277,52 +285,91 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
 
 
 @triton.jit
-def _q4_k_pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
-                    DOT: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr):
-    """Q4_K's loop with the weight loads issued ahead of the products that wait for them. With CARRY the
-    next tile's loads are issued after the whole super-block's products (ptxas leaves them at the end of
-    the loop: docs/PERF.md, tenth sitting), so each iteration waits for memory with nothing of its own to
-    compute. PIPE 1: a super-block's second half of quants is issued before its first half's products, the
-    next super-block's first half and head records before its second half's (ptxas of Triton 3.6 moves
-    the latter down to the last two mma: 130 registers against carry's 128 at 64 rows on 2 warps). PIPE 2:
-    all three before the first half's products, a whole super-block of products covering them, for a
-    tile's registers more (168)."""
+def _half_loads(ptrs, e: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr,
+                E8M0: tl.constexpr, DOT: tl.constexpr):
+    """Half e of a tile, for each of the lane's 2R rows: Q4_K the 16-byte load of quant bytes 64e..; Q6_K
+    half e of the super-block (_q6_k_rows_tile: ql, qh, scales, d); the 32-element types blocks e NB/2 ..
+    (NB / 2 of them: _legacy_rows_tile)."""
+    out = ()
+    for j in tl.static_range(2 * R):
+        p = ptrs[j]
+        if KIND == 1:
+            out = out + (load16(p[1] + 64 * e, DOT),)
+        elif KIND == 2:
+            out = out + (_q6_k_rows_tile(p[0], p[1], p[2], p[3], e, 1),)
+        else:
+            out = out + (_legacy_rows_tile(p[0], p[1], NB // 2, WORDS, E8M0, e * (NB // 2)),)
+    return out
+
+
+@triton.jit
+def _tile_loads(ptrs, R: tl.constexpr, KIND: tl.constexpr, DOT: tl.constexpr):
+    """What both halves of a tile use, for each of the lane's 2R rows: Q4_K its head records; the others
+    nothing (Q6_K's d comes with each half)."""
+    out = ()
+    if KIND == 1:
+        for j in tl.static_range(2 * R):
+            out = out + (load16(ptrs[j][0], DOT),)
+    return out
+
+
+@triton.jit
+def _half_products(half, shared, acc, e: tl.constexpr, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr,
+                   W: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr,
+                   E8M0: tl.constexpr, DOT: tl.constexpr):
+    """The products of half e of a tile from _half_loads' and _tile_loads' registers."""
+    if KIND == 1:
+        acc = _q4_k_half_products(half, shared, acc, e, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
+    elif KIND == 2:
+        acc = _q6_k_products(half, acc, xp, xlive, dxp, clive, R, W, DOT, e, 1)
+    else:
+        acc = _legacy_products(half, acc, xp, xlive, dxp, sxp, clive, R, W, NB // 2, WORDS, TABLE, E8M0, DOT,
+                               e * (NB // 2))
+    return acc
+
+
+@triton.jit
+def _pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
+               KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr,
+               DOT: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr, PER: tl.constexpr):
+    """The loop with the weight loads issued ahead of the products that wait for them, a tile in two halves.
+    With CARRY the next tile's loads are issued after the whole tile's products (ptxas leaves them at the
+    end of the loop: docs/PERF.md, tenth sitting), so each iteration waits for memory with nothing of its
+    own to compute. PIPE 1: a tile's second half is issued before its first half's products, the next
+    tile's first half (and Q4_K's head records) before its second half's (for Q4_K at 64 rows on 2 warps,
+    ptxas of Triton 3.6 moves the latter down to the last two mma: 130 registers against carry's 128).
+    PIPE 2: all of them before the first half's products, a whole tile of products covering them, for a
+    tile's registers more (Q4_K: 168). The products are carry's, in the same order."""
     lo = t < 2
     xo = pair_offsets(t)
-    heads = ()
-    first = ()
-    for j in tl.static_range(2 * R):
-        heads = heads + (load16(ptrs[j][0], DOT),)
-        first = first + (load16(ptrs[j][1], DOT),)
+    shared = _tile_loads(ptrs, R, KIND, DOT)
+    first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
     for it in range(0, n_iter):
-        second = ()
-        for j in tl.static_range(2 * R):
-            second = second + (load16(ptrs[j][1] + 64, DOT),)
-        more = it + 1 < n_iter  # after the last super-block the extra loads read it again
+        second = _half_loads(ptrs, 1, R, KIND, NB, WORDS, E8M0, DOT)
+        more = it + 1 < n_iter  # after the last tile the extra loads read it again
         moved = ()
         for j in tl.static_range(2 * R):
-            moved = moved + ((ptrs[j][0] + tl.where(more, steps[0], 0), ptrs[j][1] + tl.where(more, steps[1], 0)),)
+            row = ()
+            for p in tl.static_range(len(steps)):
+                row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
+            moved = moved + (row,)
         ptrs = moved
-        if PIPE == 2:  # the next super-block's first half and heads issued here too
-            next_heads = ()
-            next_first = ()
-            for j in tl.static_range(2 * R):
-                next_heads = next_heads + (load16(ptrs[j][0], DOT),)
-                next_first = next_first + (load16(ptrs[j][1], DOT),)
+        if PIPE == 2:  # the next tile's first half and shared loads issued here too
+            next_shared = _tile_loads(ptrs, R, KIND, DOT)
+            next_first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
         pdl.wait_for_inputs(PDL)  # the first loads are in flight (a no-op after the first)
-        acc = _q4_k_half_products(first, heads, acc, 0, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
+        acc = _half_products(first, shared, acc, 0, xp, xo, lo, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS, TABLE,
+                             E8M0, DOT)
         if PIPE == 1:
-            next_heads = ()
-            next_first = ()
-            for j in tl.static_range(2 * R):
-                next_heads = next_heads + (load16(ptrs[j][0], DOT),)
-                next_first = next_first + (load16(ptrs[j][1], DOT),)
-        acc = _q4_k_half_products(second, heads, acc, 1, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
-        heads = next_heads
+            next_shared = _tile_loads(ptrs, R, KIND, DOT)
+            next_first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
+        acc = _half_products(second, shared, acc, 1, xp, xo, lo, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS,
+                             TABLE, E8M0, DOT)
+        shared = next_shared
         first = next_first
-        xp += 256
-        dxp = (dxp[0] + 8, dxp[1] + 8)
-        sxp = (sxp[0] + 8, sxp[1] + 8)
+        xp += PER
+        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
+        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
     return acc
 
 
@@ -385,7 +432,7 @@ def lanes_kernel(
     scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
     nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
     DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
-    before this one's products. PIPE 1 or 2 (Q4_K): _q4_k_pipelined's loop instead."""
+    before this one's products. PIPE 1 or 2: _pipelined's loop instead."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
     QK: tl.constexpr = 32 if KIND == 0 else 256
@@ -408,8 +455,9 @@ def lanes_kernel(
     sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = zero_acc(R, W)
     if PIPE:
-        tl.static_assert(KIND == 1, "PIPE: Q4_K's lanes kernel only")
-        acc = _q4_k_pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R, W, DOT, PDL, PIPE)
+        tl.static_assert(KIND != 0 or NB >= 4, "PIPE: a tile of 4 blocks or more (2 a half, read in pairs)")
+        acc = _pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS, TABLE, E8M0,
+                         DOT, PDL, PIPE, PER)
     else:
         if CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)

@@ -204,34 +204,35 @@ def test_lanes_kernels_match_the_reference(name, block_n, num_warps, nb, split_k
                            num_warps=num_warps, carry=carry, mma=2)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"])
 @pytest.mark.parametrize("pipe", [1, 2])
-@pytest.mark.parametrize("block_n, num_warps, split_k", [(16, 1, 1), (64, 2, 2), (64, 4, 1)],
-                         ids=["one-group", "two-warps-split", "four-warps"])
-def test_q4_k_lanes_pipelined_loop_gives_the_carried_loops_products(block_n, num_warps, split_k, pipe):
-    """pipe 1 and 2 (the weight loads issued half or a whole super-block ahead of their products) do the
-    same products in the same order as carry 1: the same outputs bit for bit, and the reference's, at 1,
-    3 and 8 rows over 8 super-blocks a row (4 a split), so the loads carried from one iteration into the
-    next are checked, the last iteration's reload of its own super-block included."""
-    _matches_the_reference("Q4_K", 37, 2048, (1, 3, 8), 26, block_n=block_n, nb=8, split_k=split_k,
-                           num_warps=num_warps, mma=2, pipe=pipe)
+def test_lanes_pipelined_loop_gives_the_carried_loops_products(name, pipe):
+    """pipe 1 and 2 (the weight loads issued half or a whole tile ahead of their products) do the same
+    products in the same order as carry 1: the same outputs bit for bit at 3 and 8 rows, and the
+    reference's, over 2 tiles a K split (the loads carried from one iteration into the next, and the last
+    iteration's reload of its own tile); 2- and 1-byte scale records split in halves (4 blocks a tile)."""
+    tid = IDS[name]
+    k = 1024 if name in ("Q4_K", "Q6_K") else 512  # 4 super-blocks, or 4 tiles of 4 blocks
+    launch = {"block_n": 16, "nb": 4 if k == 512 else 8, "split_k": 2, "num_warps": 1, "mma": 2}
+    _matches_the_reference(name, 21, k, (3,), 26, pipe=pipe, **launch)
+    w = repack(random_blocks(tid, 21, k // GGML_TYPES[tid].block_size,
+                             torch.Generator().manual_seed(27)).to(DEVICE), tid, 21, k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(28)).to(DEVICE)
+    q8 = quantize_q8_1(x)
+    assert torch.equal(matvec_int8(x, w, pipe=pipe, q8_1=q8, **launch), matvec_int8(x, w, carry=1, q8_1=q8, **launch))
+
+
+def test_pipelined_loop_is_refused_outside_the_lanes_kernels_and_for_tiles_of_two_blocks():
     tid = IDS["Q4_K"]
-    w = repack(random_blocks(tid, 37, 8, torch.Generator().manual_seed(27)).to(DEVICE), tid, 37, 2048)
-    for m in (1, 8):
-        x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(28 + m)).to(DEVICE)
-        cfg = {"block_n": block_n, "nb": 8, "split_k": split_k, "num_warps": num_warps, "mma": 2,
-               "q8_1": quantize_q8_1(x)}
-        assert torch.equal(matvec_int8(x, w, pipe=pipe, **cfg), matvec_int8(x, w, carry=1, **cfg))
-
-
-def test_pipelined_loop_is_refused_outside_the_q4_k_lanes_kernel():
-    for name in ("Q4_K", "Q6_K"):
-        tid = IDS[name]
-        w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(29)), tid, 16, 256)
-        mma = 0 if name == "Q4_K" else 2
-        with pytest.raises(ValueError, match="pipe is the Q4_K lanes kernel"):
-            matvec_int8(torch.randn(2, 256), w, block_n=16, nb=8, num_warps=1, mma=mma, pipe=1)
+    w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(29)), tid, 16, 256)
+    with pytest.raises(ValueError, match="pipe is the lanes kernels' loop"):
+        matvec_int8(torch.randn(2, 256), w, block_n=16, nb=8, num_warps=1, mma=0, pipe=1)
     with pytest.raises(ValueError, match="pipe is 0, 1 or 2"):
         matvec_int8(torch.randn(2, 256), w, block_n=16, nb=8, num_warps=1, mma=2, pipe=3)
+    tid = IDS["Q8_0"]
+    w = repack(random_blocks(tid, 16, 8, torch.Generator().manual_seed(30)), tid, 16, 256)
+    with pytest.raises(ValueError, match="tiles of 4 blocks or more"):
+        matvec_int8(torch.randn(2, 256), w, block_n=16, nb=2, num_warps=1, mma=2, pipe=1)
 
 
 def test_lanes_kernels_refuse_a_block_n_their_warps_cannot_split():
@@ -288,8 +289,8 @@ def test_sweep_times_both_k_quant_kernels_at_one_row_and_the_groups_kernel_above
 def test_sweep_has_lanes_configs_only_where_there_are_matrix_units(name, n, k):
     """mma 2 only with matrix_units; each config one the launcher takes (block_n a
     multiple of 16 x num_warps, nb a power of two, a split of two tiles or more) and enough programs for
-    two an SM where the row's tiles allow it; Q4_K's also with its pipelined loops (pipe 1, 2) at that
-    split and half of it."""
+    two an SM where the row's tiles allow it; each also with the pipelined loops (pipe 1, 2) at that split
+    and half of it."""
     tid = IDS[name]
     assert not any(c.get("mma") for c in candidates(tid, n, k, 8, 132))
     lanes = [c for c in candidates(tid, n, k, 8, 132, matrix_units=True) if c.get("mma") == 2]
@@ -302,13 +303,11 @@ def test_sweep_has_lanes_configs_only_where_there_are_matrix_units(name, n, k):
         programs = -(-n // c["block_n"]) * c["split_k"]
         if not c.get("pipe"):  # the pipelined loops are timed at half the split too
             assert programs >= 2 * 132 or tiles // (2 * c["split_k"]) < 2, c  # else a larger split was due
-    pipes = {c.get("pipe", 0) for c in lanes}
-    assert pipes == ({0, 1, 2} if name == "Q4_K" else {0})
-    if name == "Q4_K":  # each pipelined config is a plain one's with pipe and its split or half of it
-        plain = [c for c in lanes if not c.get("pipe")]
-        for c in lanes:
-            assert any({**p, "pipe": c.get("pipe", 0), "split_k": c["split_k"]} == {**c, "pipe": c.get("pipe", 0)}
-                       and c["split_k"] in (p["split_k"], max(1, p["split_k"] // 2)) for p in plain), c
+    assert {c.get("pipe", 0) for c in lanes} == {0, 1, 2}
+    plain = [c for c in lanes if not c.get("pipe")]  # each pipelined config: a plain one's at its split or half
+    for c in lanes:
+        assert any({**p, "pipe": c.get("pipe", 0), "split_k": c["split_k"]} == {**c, "pipe": c.get("pipe", 0)}
+                   and c["split_k"] in (p["split_k"], max(1, p["split_k"] // 2)) for p in plain), c
 
 
 @triton.jit

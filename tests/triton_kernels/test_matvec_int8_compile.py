@@ -49,9 +49,9 @@ if backend == "cuda":  # matrix units: gfx906 has none
     for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"):
         fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4})
         kernels[name + "_lanes"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
-    for pipe in (1, 2):  # Q4_K's pipelined loops
-        fn, type_args = mv.choose_kernel(mv.Q4_K, 8, {"mma": 2, "num_warps": 4, "pipe": pipe})
-        kernels[f"Q4_K_lanes_pipe{pipe}"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
+    for name, pipe in (("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 2), ("MXFP4", 2)):  # the pipelined loops
+        fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4, "pipe": pipe})
+        kernels[f"{name}_lanes_pipe{pipe}"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
 for name, (fn, consts) in kernels.items():
     consts = consts if "KIND_A" in consts else {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -73,6 +73,8 @@ WANT = {  # type -> instructions its kernel must contain, per backend
              "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q4_K_lanes_pipe1": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q4_K_lanes_pipe2": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
+             "Q6_K_lanes_pipe2": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
+             "MXFP4_lanes_pipe2": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"},
              "Q6_K_lanes": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
              "Q8_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q4_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
