@@ -9,8 +9,9 @@ from the super-block's 16-byte head record (d, dmin, 12 scale bytes: layout.HEAD
 row's pieces of a tile are one contiguous load, so the lanes of a warp go along the row (Triton 3.6 lays
 [rows, blocks, 4] loads across 16 rows, which kept the earlier kernels L1-bound: docs/PERF.md, fourth
 sitting). The activations of a tile are the same for every row: loaded as runs and rearranged into the
-pieces' order (gather 0), or each where a thread uses it at computed offsets (gather 1; no shared-memory
-round, tenth sitting).
+pieces' order (gather 0), or each where a thread uses it at computed offsets (gather 1: in Triton 3.6's
+SASS no shared-memory round left in the loop of Q4_K's 16- and 32-row tiles or Q6_K's 8-row ones; Q6_K's
+16-row tiles keep theirs. Offline only, not timed: docs/PERF.md, tenth sitting).
 
 Each kernel's work is a function of its place in its grid (`q4_k_pieces`, `q6_k_pieces` at (pn, pk)), so
 `pieces_pair_kernel` runs a layer's two matrices of different types (Q4_K q/k and Q6_K v) in one launch.
@@ -77,8 +78,9 @@ def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.co
     """One row of x for a pieces tile: the int32 words the low and the high nibbles of each piece multiply
     (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]). GATHER 0: from
     contiguous loads, rearranged (through shared memory: Triton converts the permuted tensors' layout);
-    1: each loaded where it is used, at its own offsets (tensors of 8 NB elements, which Triton's layout
-    pass re-materialises in the products' layout instead of converting)."""
+    1: each loaded where it is used, at its own offsets (tensors of 8 NB elements, which Triton 3.6's layout
+    pass re-materialised in the products' layout instead of converting, for the 8B model's entries
+    compiled offline)."""
     # word sb * 64 + c * 16 + k * 8 + h * 4 + w (k = 0: the low nibbles' sub-block 2c, 1: the high's 2c + 1)
     if GATHER:
         p = tl.arange(0, NB * 8)
@@ -365,8 +367,8 @@ def pieces_pair_kernel(
 ):
     """One row of x times two K-quant matrices of different types in one launch (matvec_int8_pair): the
     first tiles(a) x SPLIT_A programs are matrix a's pieces grid in its launch order (row tiles first),
-    the rest matrix b's. Each matrix keeps its own launch parameters; the kernel's registers are the
-    larger of the two."""
+    the rest matrix b's. Each matrix keeps its own launch parameters; the kernel holds the registers of the
+    larger of the two or more (offline for the 8B model's q/k and v: 90, against 80 and 48 launched apart)."""
     pdl.let_next_start(PDL)
     pid = tl.program_id(0)
     tiles_a = tl.cdiv(N_a, BLOCK_N_A)
