@@ -1,7 +1,9 @@
 """`vegaserve` command line: `serve` (the default), `perplexity`, `tune`, `bench`.
 
 Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
-the flags given end up in the config tree, above the environment and the `--config` YAML file.
+the flags given end up in the config tree, above the environment and the `--config` YAML file. Flags of
+features not implemented yet stop the start with one line saying so; `-ngl`, `-fa` and `--seed` are accepted
+for llama-server's launch lines and change nothing in serving (their help says why).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from vegaserve.engine.config import ConfigError, EngineConfig, merge_trees
-from vegaserve.engine.env import config_from_env
+from vegaserve.engine.env import config_from_env, ignored_switches
+
+log = logging.getLogger(__name__)
 
 _KV_TYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}  # -ctk / -ctv spellings
 
@@ -31,10 +35,6 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "tps": ("parallel", "tensor_parallel_group"),
     "n_devices": ("parallel", "n_devices"),
     "device_memory": ("parallel", "device_memory_gib"),
-    "n_gpu_layers": ("parallel", "n_gpu_layers"),
-    "spec_type": ("speculative", "spec_type"),
-    "model_draft": ("speculative", "draft_model"),
-    "draft_max": ("speculative", "num_draft_tokens"),
     "host": ("server", "host"),
     "port": ("server", "port"),
     "api_key": ("server", "api_key"),
@@ -43,6 +43,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "device": (None, "device"),
     "seed": (None, "seed"),
 }
+
+# flag dest -> spelling: speculative decoding is not implemented yet (`--spec-type none` asks for nothing)
+_NOT_YET_FLAGS = {"spec_type": "--spec-type", "model_draft": "-md", "draft_max": "--draft-max"}
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -55,9 +58,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    "bf16 on GPUs with native bf16, f16 on others such as gfx906)")
     g.add_argument("-ctv", "--cache-type-v", choices=list(_KV_TYPES), help="must equal -ctk: keys and values share one type")
     g.add_argument("--device", help="cpu, cuda, cuda:N (default: a GPU if present)")
-    g.add_argument("-t", "--threads", type=int, help="CPU threads for torch")
+    g.add_argument("-t", "--threads", type=int, help="torch's CPU threads in this process (the N CPU processes of "
+                   "-ndev N take the cores / N each)")
     g.add_argument("--config", type=Path, help="YAML file of settings (configs/); flags override it")
-    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, help="accepted for llama-server compatibility: all layers run on the GPU")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int,
+                   help="accepted for llama-server compatibility and ignored: every layer runs on --device")
 
 
 def _counts(text: str) -> list[int]:
@@ -80,17 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-a", "--alias", help="model name reported by /v1/models (default: the file name)")
     g.add_argument("-np", "--parallel", type=int, help="sequences served at once (default 1)")
     g.add_argument("-b", "--batch-size", type=int, help="tokens computed per step at most (default 2048)")
-    g.add_argument("--seed", type=int, help="default sampling seed")
-    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", help="accepted for compatibility: attention is always fused")
+    g.add_argument("--seed", type=int, help="accepted for compatibility and ignored: a request's own seed makes "
+                   "its sampling repeatable")
+    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", help="accepted for compatibility and ignored: "
+                   "attention is always fused")
     g.add_argument("-sm", "--split-mode", choices=["none", "layer", "tensor", "row"], help="how to use several GPUs")
     g.add_argument("-tps", type=int, dest="tps", help="tensor-parallel group size inside -sm tensor (0: all GPUs)")
     g.add_argument("-ndev", "--n-devices", type=int, help="devices to split over (default: every visible GPU; "
                    "with --device cpu, that many CPU processes)")
-    g.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device to plan the split with "
-                   "(default: what the device reports)")
-    g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"], help="speculative decoding")
-    g.add_argument("-md", "--model-draft", help="draft model GGUF for --spec-type draft")
-    g.add_argument("--draft-max", type=int, help="draft tokens per step")
+    g.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device the split must fit in, "
+                   "checked at start (default: what the device reports)")
+    g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"],
+                   help="speculative decoding: not implemented yet, only none is accepted")
+    g.add_argument("-md", "--model-draft", help="draft model GGUF: not implemented yet, refused")
+    g.add_argument("--draft-max", type=int, help="draft tokens per step: not implemented yet, refused")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get to finish after SIGTERM (default 30)")
 
@@ -115,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_tree_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    for dest, flag in _NOT_YET_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value not in (None, "none"):
+            raise ConfigError(f"{flag} {value}: speculative decoding is not implemented yet")
     tree: dict[str, Any] = {}
     k_type, v_type = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
     if v_type is not None and v_type != (k_type or v_type):
@@ -147,7 +159,10 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
             raise ConfigError(f"{args.config}: cannot read the config file: {e}") from e
         if not isinstance(yaml_tree, dict):
             raise ConfigError(f"{args.config}: the config file must be a mapping of sections")
-    return EngineConfig.from_dict(merge_trees(yaml_tree, config_from_env(), config_tree_from_args(args)))
+    config = EngineConfig.from_dict(merge_trees(yaml_tree, config_from_env(), config_tree_from_args(args)))
+    for warning in ignored_switches():
+        log.warning("%s", warning)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,9 +52,6 @@ class _EngineStatsCollector:
             CounterMetricFamily("vllm:num_preemptions", "Requests preempted by the scheduler.", labels=LABELS),
             CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=LABELS),
             CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=LABELS),
-            CounterMetricFamily("vllm:spec_decode_num_drafts", "Speculative draft sequences proposed.", labels=LABELS),
-            CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", labels=LABELS),
-            CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", labels=LABELS),
         )
 
     def describe(self) -> Iterator[Metric]:
@@ -75,9 +72,6 @@ class _EngineStatsCollector:
             stats.num_preemptions,
             stats.prefix_cache_queries,
             stats.prefix_cache_hits,
-            stats.spec_decode_num_drafts,
-            stats.spec_decode_num_draft_tokens,
-            stats.spec_decode_num_accepted_tokens,
         )
         model = [self._engine.model_name]
         for family, value in zip(self._families(), values, strict=True):
@@ -156,8 +150,8 @@ class RequestMetrics:
             if self._last_token_time is None:
                 m.ttft.labels(model).observe(now - self._arrival)
             else:
-                # Several tokens in one output (speculative decoding) share the wait evenly, so the
-                # histogram stays per token whatever the engine delivers together.
+                # Several tokens in one output share the wait evenly, so the histogram stays per token
+                # whatever the engine delivers together.
                 gap = (now - self._last_token_time) / n_new
                 for _ in range(n_new):
                     m.itl.labels(model).observe(gap)

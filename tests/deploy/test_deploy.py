@@ -426,9 +426,6 @@ REQUIRED = {
     "KV cache usage": ["vllm:kv_cache_usage_perc"],
     "prefix cache hit rate": ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"],
     "preemptions": ["vllm:num_preemptions_total"],
-    "speculative acceptance": [
-        "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
-    ],
 }
 
 

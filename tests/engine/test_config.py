@@ -1,5 +1,6 @@
-"""engine/config.py and engine/env.py: validation errors that name the setting, merge priority, and the
-environment switches of the llama.cpp fork mapped onto the config tree."""
+"""engine/config.py and engine/env.py: validation errors that name the setting, merge priority, the
+environment switches mapped onto the config tree, and settings and switches of features not implemented yet
+refused or reported by name."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ from vegaserve.engine.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
-    SpeculativeConfig,
     merge_trees,
 )
-from vegaserve.engine.env import SWITCHES, config_from_env
+from vegaserve.engine.env import NOT_YET, SWITCHES, config_from_env, ignored_switches
 
 # -- validation -----------------------------------------------------------------------------------------
 
@@ -63,9 +63,9 @@ def test_parallel_sequences_below_one_are_refused_naming_np(n: int) -> None:
         (lambda: SchedulerConfig(max_num_batched_tokens=8), "max_num_batched_tokens must be >= 16"),
         (lambda: ParallelConfig(split_mode="row"), "split mode must be none, layer or tensor, got 'row'"),
         (lambda: ParallelConfig(tensor_parallel_group=-1), "-tps must be >= 0"),
-        (lambda: SpeculativeConfig(spec_type="draft"), "--spec-type draft needs a draft model"),
+        (lambda: ParallelConfig(sched_n_copies=0), "GGML_SCHED_N_COPIES must be >= 1"),
     ],
-    ids=["context", "batch", "split-mode", "tps", "draft-without-model"],
+    ids=["context", "batch", "split-mode", "tps", "n-copies"],
 )
 def test_other_impossible_settings_are_refused_by_name(build: Any, says: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -80,7 +80,6 @@ def test_from_dict_builds_every_section_and_top_level_keys() -> None:
             "cache": {"context_size": 1024},
             "scheduler": {"max_num_seqs": 4},
             "parallel": {"split_mode": "tensor", "tensor_parallel_group": 2},
-            "speculative": {"spec_type": "draft", "draft_model": "d.gguf"},
             "kernels": {"token_graph": False},
             "server": {"port": 9000},
             "device": "cpu",
@@ -89,7 +88,7 @@ def test_from_dict_builds_every_section_and_top_level_keys() -> None:
     )
     assert (c.model.path, c.model.load_mode, c.cache.context_size, c.scheduler.max_num_seqs) == ("m.gguf", "read", 1024, 4)
     assert (c.parallel.split_mode, c.parallel.tensor_parallel_group) == ("tensor", 2)
-    assert (c.speculative.draft_model, c.kernels.token_graph, c.server.port) == ("d.gguf", False, 9000)
+    assert (c.kernels.token_graph, c.server.port) == (False, 9000)
     assert (c.device, c.seed) == ("cpu", 7)
 
 
@@ -101,6 +100,22 @@ def test_from_dict_refuses_an_unknown_section_by_name() -> None:
 def test_from_dict_refuses_unknown_keys_naming_section_and_keys() -> None:
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) in 'server': api_token, prot"):
         EngineConfig.from_dict({"server": {"prot": 1, "api_token": "k", "port": 80}})
+
+
+@pytest.mark.parametrize(
+    ("tree", "says"),
+    [
+        ({"speculative": {"spec_type": "ngram"}}, "config section 'speculative': speculative decoding is not implemented"),
+        ({"speculative": {}}, "config section 'speculative': speculative decoding is not implemented yet"),
+        ({"parallel": {"custom_allreduce": True}},
+         "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
+    ],
+    ids=["speculative", "empty-speculative", "custom-allreduce"],
+)  # fmt: skip
+def test_from_dict_refuses_settings_of_features_not_implemented_yet(tree: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_dict(tree)
+    assert str(e.value).startswith(says)
 
 
 def test_from_dict_refuses_a_section_that_is_not_a_mapping() -> None:
@@ -124,14 +139,14 @@ def test_config_is_frozen() -> None:
 
 def test_merge_later_tree_wins_and_siblings_survive() -> None:
     yaml_tree = {"server": {"port": 1000, "host": "0.0.0.0"}, "model": {"load_mode": "read"}, "device": "cpu"}
-    env_tree = {"server": {"port": 2000}, "parallel": {"custom_allreduce": True}}
+    env_tree = {"server": {"port": 2000}, "parallel": {"sched_n_copies": 2}}
     cli_tree = {"server": {"port": 3000}, "device": "cuda"}
     merged = merge_trees(yaml_tree, env_tree, cli_tree)
     assert merged == {
         "server": {"port": 3000, "host": "0.0.0.0"},
         "model": {"load_mode": "read"},
         "device": "cuda",
-        "parallel": {"custom_allreduce": True},
+        "parallel": {"sched_n_copies": 2},
     }
     assert merge_trees(yaml_tree, env_tree)["server"] == {"port": 2000, "host": "0.0.0.0"}
 
@@ -150,20 +165,14 @@ def test_merge_of_nothing_is_the_default_config() -> None:
 
 # name -> (value set, section, key, expected): each switch set to its non-default value
 ENV_CASES: dict[str, tuple[str, str, str, object]] = {
-    "GGML_ENABLE_CUSTOM_AR": ("1", "parallel", "custom_allreduce", True),
-    "GGML_TP_AR_TWOSHOT": ("0", "parallel", "allreduce_two_shot", False),
     "GGML_SCHED_N_COPIES": ("4", "parallel", "sched_n_copies", 4),
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
     "VEGASERVE_DECODE_ROPE": ("1", "kernels", "decode_rope", True),
     "VEGASERVE_ASYNC_DECODE": ("0", "scheduler", "async_decode", False),
-    "GGML_CUDA_CUBLAS_COMPUTE_TYPE": ("bf16", "kernels", "bf16_compute", True),
-    "LLAMA_ENABLE_MTP_OPT": ("1", "speculative", "mtp_opt", True),
-    "LLAMA_SHEXP_SPLIT": ("0", "kernels", "shexp_split", False),
-    "LLAMA_PLE_SHARD": ("1", "kernels", "ple_shard", True),
 }
-FLAG_SWITCHES = [n for n, (_, _, _, expected) in ENV_CASES.items() if isinstance(expected, bool) and "COMPUTE_TYPE" not in n]
+FLAG_SWITCHES = [n for n, (_, _, _, expected) in ENV_CASES.items() if isinstance(expected, bool)]
 
 
 def test_every_switch_has_a_case_here() -> None:
@@ -186,16 +195,18 @@ def test_unset_and_unrelated_variables_give_an_empty_tree() -> None:
 
 def test_all_switches_together_build_one_config() -> None:
     c = EngineConfig.from_dict(config_from_env({n: v for n, (v, *_) in ENV_CASES.items()}))
-    assert (c.parallel.custom_allreduce, c.parallel.sched_n_copies, c.kernels.bf16_compute, c.kernels.shexp_split) == (
-        True, 4, True, False,
+    assert (c.parallel.sched_n_copies, c.kernels.token_graph, c.kernels.decode_rope, c.scheduler.async_decode) == (
+        4, False, True, False,
     )
 
 
 def test_env_is_read_from_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in SWITCHES:
+    for name in [*SWITCHES, *NOT_YET]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GGML_SCHED_N_COPIES", "3")
+    monkeypatch.setenv("LLAMA_PLE_SHARD", "1")
     assert config_from_env() == {"parallel": {"sched_n_copies": 3}}
+    assert ignored_switches() == [f"LLAMA_PLE_SHARD=1 is set: {NOT_YET['LLAMA_PLE_SHARD']}; ignored"]
 
 
 @pytest.mark.parametrize(
@@ -203,7 +214,7 @@ def test_env_is_read_from_os_environ_by_default(monkeypatch: pytest.MonkeyPatch)
     [("1", True), ("true", True), ("ON", True), (" yes ", True), ("0", False), ("off", False), ("", False)],
 )
 def test_flag_spellings(value: str, expected: bool) -> None:
-    assert config_from_env({"LLAMA_PLE_SHARD": value}) == {"kernels": {"ple_shard": expected}}
+    assert config_from_env({"GGML_META_TOKEN_GRAPH": value}) == {"kernels": {"token_graph": expected}}
 
 
 @pytest.mark.parametrize("name", FLAG_SWITCHES)
@@ -218,7 +229,36 @@ def test_bad_integer_value_is_refused_naming_the_variable(value: str) -> None:
         config_from_env({"GGML_SCHED_N_COPIES": value})
 
 
-@pytest.mark.parametrize(("value", "expected"), [("bf16", True), ("BF16", True), ("f32", False), ("f16", False)])
-def test_compute_type_means_bf16_only_for_bf16(value: str, expected: bool) -> None:
-    # llama.cpp scripts also pass f16/f32 here; those keep the default (no bf16 compute)
-    assert config_from_env({"GGML_CUDA_CUBLAS_COMPUTE_TYPE": value}) == {"kernels": {"bf16_compute": expected}}
+# -- switches of features not implemented yet ------------------------------------------------------------
+
+THE_FORKS_MI50_ENVIRONMENT = {
+    "GGML_ENABLE_CUSTOM_AR": "1", "GGML_TP_AR_TWOSHOT": "1", "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "bf16",
+    "LLAMA_ENABLE_MTP_OPT": "1", "LLAMA_SHEXP_SPLIT": "1", "LLAMA_PLE_SHARD": "1",
+}  # fmt: skip
+
+
+def test_not_yet_switches_are_the_forks_unimplemented_ones_and_map_onto_nothing() -> None:
+    assert set(NOT_YET) == set(THE_FORKS_MI50_ENVIRONMENT)
+    assert not set(NOT_YET) & set(SWITCHES)
+    assert config_from_env(THE_FORKS_MI50_ENVIRONMENT) == {}
+
+
+@pytest.mark.parametrize("name", list(NOT_YET))
+def test_each_not_yet_switch_gives_one_warning_naming_it_and_its_value(name: str) -> None:
+    value = THE_FORKS_MI50_ENVIRONMENT[name]
+    assert ignored_switches({name: value, "GGML_SCHED_N_COPIES": "2"}) == [
+        f"{name}={value} is set: {NOT_YET[name]}; ignored"
+    ]
+    assert "not implemented yet" in NOT_YET[name]
+
+
+@pytest.mark.parametrize("value", ["0", "2", "f32", ""])
+def test_a_not_yet_switch_is_reported_whatever_its_value_and_never_refused(value: str) -> None:
+    assert ignored_switches({"GGML_TP_AR_TWOSHOT": value}) == [
+        f"GGML_TP_AR_TWOSHOT={value} is set: {NOT_YET['GGML_TP_AR_TWOSHOT']}; ignored"
+    ]
+    assert config_from_env({"GGML_TP_AR_TWOSHOT": value}) == {}
+
+
+def test_no_not_yet_switch_set_gives_no_warning() -> None:
+    assert ignored_switches({"GGML_META_TOKEN_GRAPH": "0", "HSA_ENABLE_SDMA": "0"}) == []

@@ -1,8 +1,10 @@
 """server/cli.py: llama-server spellings into the config tree, CLI > env > YAML, `serve` as the default
-command, one-line errors, and `vegaserve perplexity` end to end on a tiny model."""
+command, one-line errors, flags and switches of features not implemented yet refused or warned about, and
+`vegaserve perplexity` end to end on a tiny model."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -13,13 +15,13 @@ import pytest
 import vegaserve.server.cli as cli
 import vegaserve.server.serve_cmd as serve_cmd
 from vegaserve.engine.config import ConfigError, EngineConfig
-from vegaserve.engine.env import SWITCHES
+from vegaserve.engine.env import NOT_YET, SWITCHES
 
 
 @pytest.fixture(autouse=True)
 def no_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's GGML_*/LLAMA_* switches must not leak into these configs."""
-    for name in SWITCHES:
+    for name in [*SWITCHES, *NOT_YET]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -33,25 +35,24 @@ def parse(*argv: str) -> EngineConfig:
 def test_llama_server_spellings_land_in_the_config_tree() -> None:
     c = parse(
         "serve", "-m", "model.gguf", "-c", "4096", "-np", "4", "-lm", "dio", "--host", "0.0.0.0", "--port", "9000",
-        "--api-key", "sekrit", "-sm", "row", "-tps", "2", "--spec-type", "draft", "-md", "draft.gguf",
-        "--no-repack", "-a", "my-model", "-b", "512", "--draft-max", "8", "-ngl", "99", "--seed", "5",
-        "--device", "cpu", "--log-level", "debug",
+        "--api-key", "sekrit", "-sm", "row", "-tps", "2", "--no-repack", "-a", "my-model", "-b", "512",
+        "--seed", "5", "--device", "cpu", "--log-level", "debug", "-ndev", "4", "--device-memory", "15.5",
     )  # fmt: skip
     assert (c.model.path, c.model.load_mode, c.model.no_repack) == ("model.gguf", "dio", True)
     assert c.model.served_model_name == "my-model"
     assert c.cache.context_size == 4096
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (4, 512)
     assert (c.server.host, c.server.port, c.server.api_key, c.server.log_level) == ("0.0.0.0", 9000, "sekrit", "debug")
-    assert (c.parallel.split_mode, c.parallel.tensor_parallel_group, c.parallel.n_gpu_layers) == ("tensor", 2, 99)
-    assert (c.speculative.spec_type, c.speculative.draft_model, c.speculative.num_draft_tokens) == ("draft", "draft.gguf", 8)
+    assert (c.parallel.split_mode, c.parallel.tensor_parallel_group) == ("tensor", 2)
+    assert (c.parallel.n_devices, c.parallel.device_memory_gib) == (4, 15.5)
     assert (c.device, c.seed) == ("cpu", 5)
 
 
 def test_long_spellings_match_the_short_ones() -> None:
-    short = parse("serve", "-m", "m.gguf", "-c", "64", "-np", "2", "-lm", "read", "-a", "x", "-md", "d.gguf")
+    short = parse("serve", "-m", "m.gguf", "-c", "64", "-np", "2", "-lm", "read", "-a", "x", "-ndev", "2")
     long = parse(
         "serve", "--model", "m.gguf", "--ctx-size", "64", "--parallel", "2", "--load-mode", "read", "--alias", "x",
-        "--model-draft", "d.gguf",
+        "--n-devices", "2",
     )  # fmt: skip
     assert short == long != EngineConfig()
 
@@ -74,6 +75,13 @@ def test_cache_type_flags_set_the_kv_dtype(argv: list[str], kv_dtype: str) -> No
 def test_different_key_and_value_cache_types_are_refused() -> None:
     with pytest.raises(ConfigError, match="-ctk f16 and -ctv bf16 differ"):
         parse("serve", "-ctk", "f16", "-ctv", "bf16")
+
+
+@pytest.mark.parametrize(
+    "argv", [["-ngl", "99"], ["--gpu-layers", "0"], ["-fa"], ["-fa", "off"], ["--spec-type", "none"]]
+)
+def test_compatibility_flags_change_nothing(argv: list[str]) -> None:
+    assert parse("serve", *argv) == EngineConfig()
 
 
 def test_flags_not_given_leave_the_defaults() -> None:
@@ -103,18 +111,18 @@ def yaml_file(tmp_path: Path) -> Path:
     path.write_text(
         "server:\n  port: 1000\n  host: 0.0.0.0\n"
         "model:\n  load_mode: read\n"
-        "parallel:\n  custom_allreduce: false\n  tensor_parallel_group: 4\n"
+        "parallel:\n  sched_n_copies: 2\n  tensor_parallel_group: 4\n"
         "kernels:\n  token_graph: true\n"
     )
     return path
 
 
 def test_cli_beats_env_beats_yaml(yaml_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GGML_ENABLE_CUSTOM_AR", "1")
+    monkeypatch.setenv("GGML_SCHED_N_COPIES", "3")
     monkeypatch.setenv("GGML_META_TOKEN_GRAPH", "0")
     c = parse("serve", "--config", str(yaml_file), "--port", "3000", "-lm", "dio")
     assert (c.server.port, c.model.load_mode) == (3000, "dio")  # CLI over YAML
-    assert (c.parallel.custom_allreduce, c.kernels.token_graph) == (True, False)  # env over YAML
+    assert (c.parallel.sched_n_copies, c.kernels.token_graph) == (3, False)  # env over YAML
     assert (c.server.host, c.parallel.tensor_parallel_group) == ("0.0.0.0", 4)  # YAML over defaults
 
 
@@ -127,7 +135,7 @@ def test_cli_beats_env_on_the_same_setting(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_yaml_without_overrides_is_taken_as_is(yaml_file: Path) -> None:
     c = parse("serve", "--config", str(yaml_file))
-    assert (c.server.port, c.model.load_mode, c.parallel.custom_allreduce) == (1000, "read", False)
+    assert (c.server.port, c.model.load_mode, c.parallel.sched_n_copies) == (1000, "read", 2)
 
 
 def test_bad_env_value_fails_config_loading_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,6 +207,74 @@ def test_config_error_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[
     assert cli.main(["--port", "0"]) == 2
     assert "port must be in 1..65535, got 0" in _one_error_line(capsys)
     assert not served
+
+
+# -- features not implemented yet ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--spec-type", "ngram"], "--spec-type ngram"),
+        (["serve", "--spec-type", "draft-mtp"], "--spec-type draft-mtp"),
+        (["serve", "-md", "x.gguf"], "-md x.gguf"),
+        (["serve", "--model-draft", "x.gguf"], "-md x.gguf"),
+        (["serve", "--draft-max", "4"], "--draft-max 4"),
+        (["--spec-type", "draft", "-md", "d.gguf", "--draft-max", "8"], "--spec-type draft"),
+    ],
+)
+def test_speculative_flags_exit_2_with_one_line_before_any_model_loads(
+    argv: list[str], says: str, served: list[EngineConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    line = _one_error_line(capsys)
+    assert line == f"vegaserve: error: {says}: speculative decoding is not implemented yet"
+    assert not served  # run_server, which loads the model, was never reached
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("speculative:\n  spec_type: ngram\n", "section 'speculative': speculative decoding is not implemented yet"),
+        ("speculative:\n  draft_model: d.gguf\n  num_draft_tokens: 4\n", "speculative decoding is not implemented yet"),
+        ("parallel:\n  split_mode: tensor\n  custom_allreduce: true\n",
+         "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
+    ],
+    ids=["spec-type", "draft-model", "custom-allreduce"],
+)  # fmt: skip
+def test_not_yet_settings_in_the_config_file_exit_2_with_one_line(
+    tmp_path: Path, content: str, says: str, served: list[EngineConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text(content)
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    assert says in _one_error_line(capsys)
+    assert not served
+
+
+@pytest.mark.parametrize("name", list(NOT_YET))
+def test_a_not_yet_switch_warns_once_by_name_and_the_config_still_builds(
+    name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(name, "1")
+    with caplog.at_level(logging.WARNING):
+        assert parse("serve") == EngineConfig()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"{name}=1 is set: {NOT_YET[name]}; ignored"]
+    assert "not implemented yet" in warnings[0]
+
+
+def test_the_mi50_environment_starts_with_one_warning_per_not_yet_switch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, served: list[EngineConfig]
+) -> None:
+    for name in NOT_YET:
+        monkeypatch.setenv(name, "bf16" if name == "GGML_CUDA_CUBLAS_COMPUTE_TYPE" else "1")
+    monkeypatch.setenv("GGML_META_TOKEN_GRAPH", "1")  # a real switch, set to its default: no warning
+    with caplog.at_level(logging.WARNING):
+        assert cli.main([]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sorted(w.split("=")[0] for w in warnings) == sorted(NOT_YET)
+    assert served == [EngineConfig()]
 
 
 def test_perplexity_with_a_missing_text_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

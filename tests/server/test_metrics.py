@@ -130,3 +130,11 @@ def test_a_fresh_app_exposes_its_series_at_zero_before_any_request(client):
     for reason in ("stop", "length", "abort"):
         assert samples[("vllm:request_success_total",
                         frozenset({("model_name", "fake-model"), ("finished_reason", reason)}))] == 0
+
+
+def test_speculative_decoding_metrics_are_not_exported_while_it_does_not_run(client):
+    client.post("/v1/completions", json={"prompt": "abc"})
+    text = client.get("/metrics").text
+    families = {family.name for family in text_string_to_metric_families(text)}
+    assert not [name for name in families if "spec_decode" in name]
+    assert "spec_decode" not in text
