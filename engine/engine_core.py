@@ -18,11 +18,12 @@ import torch
 
 from vegaserve.engine.chat_template import ChatTemplate
 from vegaserve.engine.config import EngineConfig
-from vegaserve.engine.gguf_file import GGUFFile, default_model_path
-from vegaserve.engine.model_runner import ModelRunner, StepInFlight, StepOutput
-from vegaserve.engine.distributed.worker import StepPlan
 from vegaserve.engine.env import torchrun_rank
-from vegaserve.engine.executor import plan_launch, start_executor
+from vegaserve.engine.executor import start_executor
+from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.engine.gguf_file import GGUFFile, default_model_path
+from vegaserve.engine.launch import engine_shape, pick_device, plan_launch
+from vegaserve.engine.model_runner import ModelRunner, StepInFlight, StepOutput
 from vegaserve.engine.models.arch_config import arch_config_from_gguf
 from vegaserve.engine.output_processor import OutputProcessor
 from vegaserve.engine.protocol import EngineStats
@@ -32,21 +33,6 @@ from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Statu
 from vegaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def engine_shape(config: EngineConfig, gguf: GGUFFile) -> tuple[int, int]:
-    """(context length, KV blocks): computed alike on every rank."""
-    trained = int(gguf.metadata.get(f"{gguf.architecture}.context_length", 0) or 0)
-    max_model_len = config.cache.context_size or trained or 4096
-    # the same memory a one-slot-per-sequence cache would use; sharing prefixes makes it go further
-    bs = config.cache.block_size
-    return max_model_len, config.cache.num_blocks or config.scheduler.max_num_seqs * -(-max_model_len // bs)
 
 
 class EngineCore:

@@ -5,8 +5,9 @@
 With one device there is no other process and no broadcast: the plan runs in place. With several, the
 server process is global rank 0 (HTTP front, scheduler, sampler, stage 0 lane 0). On one node it spawns
 ranks 1 .. n-1 (`WorkerGroup`); across nodes torchrun starts every rank and ranks other than 0 go straight
-to `worker_main` (server/serve_cmd.py). Each rank loads its own share from the GGUF file and repacks it on
-its own device (`build_rank`).
+to `worker_main` (server/serve_cmd.py, `run_torchrun_worker`). Each rank loads its own share from the GGUF
+file, as the Launch says (engine/launch.py), and repacks it on its own device (`build_rank`); its
+StageWorker (engine/distributed/worker.py) then runs its part of every step.
 
 A worker that dies is fatal: the monitor thread hears it at once (process sentinels), tells the callbacks
 (the AsyncEngine fails every stream and answers 503 from then on), and after a short grace kills the other
@@ -16,150 +17,32 @@ so no orderly shutdown is attempted.
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import socket
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from vegaserve.engine.config import ConfigError, EngineConfig
+from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.distributed.communicator import LocalCommunicator, TorchCommunicator
-from vegaserve.engine.distributed.topology import (
-    Topology, check_model_splits, kv_heads_per_lane, partition_layers, plan_topology,
-)
-from vegaserve.engine.distributed.worker import StageWorker, StepPlan, worker_main
-from vegaserve.engine.gguf_file import GGUFFile
+from vegaserve.engine.distributed.worker import StageWorker
+from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.engine.gguf_file import GGUFFile, default_model_path
+from vegaserve.engine.launch import Launch, engine_shape, pick_device, plan_launch, rank_device
 from vegaserve.engine.layers.attention import kv_cache_dtype
-from vegaserve.engine.models.arch_config import ArchConfig
+from vegaserve.engine.models.arch_config import arch_config_from_gguf
 from vegaserve.engine.models.registry import load_model
-from vegaserve.triton_kernels.dequant import spec_for
 
 log = logging.getLogger(__name__)
 
 FAILURE_GRACE_S = 3.0  # after a worker dies: time for the error to reach the clients (and 503s) before the exit
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How every rank builds its share; the same on every rank (it pickles to spawned workers)."""
-
-    config: EngineConfig
-    path: str
-    topo: Topology
-    stages: tuple[range, ...]  # layers of each pipeline stage
-    max_model_len: int
-    num_slots: int
-    device_type: str  # cpu | cuda (ROCm's torch calls its GPUs cuda too)
-    init_method: str
-    threads: int  # torch CPU threads per rank (CPU ranks)
-    torchrun: bool = False
-    shared_gpus: bool = False  # more ranks than GPUs (a test setup): ranks share GPUs round-robin, over gloo
-
-
-def count_devices(config: EngineConfig) -> int:
-    """Devices to use: -ndev if given, else every visible GPU (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES
-    choose them), else one (the CPU)."""
-    if config.parallel.n_devices:
-        return config.parallel.n_devices
-    if config.device in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _layer_bytes(gguf: GGUFFile, arch: ArchConfig) -> list[int]:
-    sizes = [0] * arch.n_layers
-    for name, info in gguf.tensors.items():
-        if name.startswith("blk."):
-            sizes[int(name.split(".")[1])] += info.n_bytes
-    return sizes
-
-
-def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
-    """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix)."""
-    layers = launch.stages[stage]
-    sizes = _layer_bytes(gguf, arch)
-    n = sum(sizes[i] for i in layers)
-    embd = gguf.info("token_embd.weight").n_bytes
-    if stage == 0:
-        n += embd
-    if stage == launch.topo.pp - 1:
-        n += gguf.info("output.weight").n_bytes if "output.weight" in gguf else (embd if stage else 0)
-    itemsize = torch.empty(0, dtype=kv_cache_dtype(launch.config.cache.kv_dtype, torch.device(launch.device_type))).element_size()
-    kv = 2 * len(layers) * launch.num_slots * kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp) * arch.head_dim * itemsize
-    return n // launch.topo.tp + kv
-
-
-def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[int, str]:
-    """Bytes one rank may use, and where the figure comes from."""
-    if config.parallel.device_memory_gib:
-        return int(config.parallel.device_memory_gib * 2**30), "--device-memory"
-    if device_type == "cuda":
-        n = min(world, torch.cuda.device_count())
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) * n // world, "the smallest GPU"
-    with open("/proc/meminfo") as f:
-        avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
-    return (avail // world, "available host memory") if avail else (0, "")
-
-
-def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_model_len: int, num_slots: int,
-                device: torch.device, torchrun_world: int = 0) -> Launch:
-    """The topology, layer split and memory check for this config; every impossible request fails here."""
-    n = torchrun_world or count_devices(config)
-    topo = plan_topology(config.parallel.split_mode, config.parallel.tensor_parallel_group, n)
-    if topo.world_size < n and config.parallel.split_mode != "none":
-        log.warning("%d devices visible, %s uses %d", n, topo.describe(), topo.world_size)
-    block = {k: spec_for(gguf.info(f"blk.0.{k}.weight").type_id).block_size for k in ("attn_output", "ffn_down")}
-    for i in range(arch.n_layers):  # the largest block of each, over all layers (mixes differ per layer)
-        for k in block:
-            block[k] = max(block[k], spec_for(gguf.info(f"blk.{i}.{k}.weight").type_id).block_size)
-    check_model_splits(arch, topo, block, str(gguf.path))
-    embd = gguf.info("token_embd.weight").n_bytes
-    head = gguf.info("output.weight").n_bytes if "output.weight" in gguf else embd
-    stages = tuple(partition_layers(_layer_bytes(gguf, arch), topo.pp, embd, head))
-    cores = os.cpu_count() or 1
-    launch = Launch(
-        config=config, path=str(gguf.path), topo=topo, stages=stages, max_model_len=max_model_len,
-        num_slots=num_slots, device_type=device.type,
-        # torchrun's rendezvous is in the environment (MASTER_ADDR, MASTER_PORT); one node: a local port
-        init_method="env://" if torchrun_world else f"tcp://127.0.0.1:{_free_port()}",
-        threads=max(1, cores // topo.world_size), torchrun=bool(torchrun_world),
-    )
-    if device.type == "cuda" and not torchrun_world and topo.world_size > torch.cuda.device_count():
-        log.warning("%d ranks on %d GPU(s): ranks share GPUs and talk over gloo (for testing; slow)",
-                    topo.world_size, torch.cuda.device_count())
-        launch = dataclasses.replace(launch, shared_gpus=True)
-    limit, source = _device_memory(config, device.type, topo.world_size)
-    if limit:
-        for stage in range(topo.pp):
-            need = _rank_bytes(gguf, arch, launch, stage)
-            if need > limit:
-                raise ConfigError(
-                    f"{gguf.path}: {topo.describe()} needs {need / 2**30:.2f} GiB on each device of stage {stage} "
-                    f"(weights and KV cache for {num_slots} tokens), but {source} gives {limit / 2**30:.2f} GiB: "
-                    f"use more devices, a smaller context (-c) or fewer sequences (-np)"
-                )
-    return launch
-
-
-def rank_device(launch: Launch, rank: int) -> torch.device:
-    if launch.device_type != "cuda":
-        return torch.device("cpu")
-    from vegaserve.engine.env import local_rank
-
-    return torch.device("cuda", local_rank() if launch.torchrun else rank % torch.cuda.device_count())
 
 
 def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageWorker:
@@ -174,8 +57,8 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-        tuning_file=cfg.kernels.tuning_file, decode_rope=cfg.kernels.decode_rope, comm=comm,
-        layers=launch.stages[comm.stage],
+        tuning_file=cfg.kernels.tuning_file, decode_rope=cfg.kernels.decode_rope,
+        comm=comm, layers=launch.stages[comm.stage],
     )
     return make_worker(launch, loaded.model, comm, device, show_progress)
 
@@ -318,10 +201,6 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
 
 def run_torchrun_worker(config: EngineConfig, rank: int, world: int) -> None:
     """A rank other than 0 under torchrun: plan the same launch as rank 0 does, then serve steps."""
-    from vegaserve.engine.engine_core import engine_shape, pick_device
-    from vegaserve.engine.gguf_file import default_model_path
-    from vegaserve.engine.models.arch_config import arch_config_from_gguf
-
     gguf = GGUFFile(config.model.path or default_model_path(), config.model.load_mode)
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     max_len, num_blocks = engine_shape(config, gguf)
@@ -329,3 +208,40 @@ def run_torchrun_worker(config: EngineConfig, rank: int, world: int) -> None:
                          pick_device(config.device), torchrun_world=world)
     del gguf
     worker_main(rank, launch, spawned=False)
+
+
+def _die_with_parent() -> None:
+    """A spawned worker must not outlive the server: the kernel signals it when the parent goes (Linux),
+    and a watcher thread covers the rest."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, launch: Launch, spawned: bool = True) -> None:
+    """Body of ranks 1 .. n-1: join the group, load this rank's share, then run the plans rank 0 sends
+    until it sends None."""
+    if spawned:
+        _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    worker = build_rank(launch, rank)
+    comm = worker.comm
+    try:
+        while True:
+            plan = comm.broadcast_plan()
+            if plan is None:
+                break
+            worker.run(plan)  # type: ignore[arg-type]
+    finally:
+        comm.close()

@@ -1,6 +1,12 @@
-"""ForwardBatch: one step's work as the model sees it (flat tokens of several sequences).
+"""One step's work on its way down to the model, in two forms (the chain: engine/request.py):
 
-Built by the model runner from a ScheduledBatch and passed down the model as an argument (never global).
+    StepPlan       plain Python, what every rank receives: per sequence its KV block ids, start, new tokens
+    ForwardBatch   the same as tensors on the rank's device: what the model sees (flat tokens of the seqs)
+
+The model runner turns a ScheduledBatch into a StepPlan; the executor runs it in place (one device) or
+broadcasts it to every rank, and each rank's StageWorker (engine/distributed/worker.py) builds its
+ForwardBatch, which goes down the model as an argument (never global).
+
 Tokens of all sequences are concatenated: sequence s owns rows [offset, offset + n) of every [T, ...]
 activation; its earlier `start` tokens are already in the paged KV cache, and `slots` lists the physical
 cache slot of each of its positions 0 .. start+n-1 (engine/kv_cache.py: block_id * block_size + offset).
@@ -24,6 +30,15 @@ from functools import cached_property
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a rank needs for one step; plain Python, so it pickles small."""
+
+    seqs: list[tuple[list[int], int, list[int]]]  # (KV blocks of positions 0 .. start + n - 1, start, new tokens)
+    all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
+    block_size: int  # tokens per KV block: position p is in slot blocks[p // bs] * bs + p % bs
 
 
 class HostStaging:

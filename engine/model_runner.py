@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vegaserve.engine.distributed.worker import StepPlan
 from vegaserve.engine.executor import Executor
+from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.request import TokenLogprob
 from vegaserve.engine.sampling import Sampler
 from vegaserve.engine.scheduler import ScheduledBatch

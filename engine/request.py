@@ -5,7 +5,8 @@ The chain, from the HTTP front to the kernels and back:
     GenerateRequest   what the server asks for: prompt token ids + SamplingParams
       -> Request      the engine's live state of one request (tokens so far, status, detokenizer)
       -> ScheduledBatch   which requests compute which tokens this step   (engine/scheduler.py)
-      -> ForwardBatch     the same as tensors for the model                (engine/model_runner.py)
+      -> StepPlan         the same as plain data, sent to every rank       (engine/forward_batch.py)
+      -> ForwardBatch     the same as tensors for the model                (engine/forward_batch.py)
       -> StepOutput       sampled token ids and logprobs per request       (engine/model_runner.py)
       -> RequestOutput    what the server streams: new text, new tokens, finish reason
 

@@ -10,38 +10,18 @@ as many as there are stages; GGML_SCHED_N_COPIES overrides), so stage s works on
 works on group g - 1. Sends are asynchronous; the logits travel on a process group of their own so that
 rank 0's receives never queue behind its own sends to stage 1.
 
-`worker_main` is the body of every rank other than 0: spawned by the server on one node, or started by
-torchrun across nodes.
+On one device the same StageWorker runs every step in the server process (one stage, one micro-batch).
 """
 
 from __future__ import annotations
-
-import ctypes
-import logging
-import os
-import signal
-import sys
-import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vegaserve.engine.distributed.communicator import Communicator
-from vegaserve.engine.forward_batch import ForwardBatch, HostStaging
+from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, StepPlan
 from vegaserve.engine.layers.attention import KVCache
 from vegaserve.engine.models.llama import LlamaModel
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Everything a rank needs for one step; plain Python, so it pickles small."""
-
-    seqs: list[tuple[list[int], int, list[int]]]  # (KV blocks of positions 0 .. start + n - 1, start, new tokens)
-    all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
-    block_size: int  # tokens per KV block: position p is in slot blocks[p // bs] * bs + p % bs
 
 
 def micro_batches(plan: StepPlan, n: int) -> list[StepPlan]:
@@ -132,42 +112,3 @@ class StageWorker:
             slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + offsets).reshape(-1)
             out.append((slots[: start + len(tokens)], start, tokens))
         return out
-
-
-def _die_with_parent() -> None:
-    """A spawned worker must not outlive the server: the kernel signals it when the parent goes (Linux),
-    and a watcher thread covers the rest."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            threading.Event().wait(1.0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def worker_main(rank: int, launch: object, spawned: bool = True) -> None:
-    """Body of ranks 1 .. n-1: join the group, load this rank's share, then run the plans rank 0 sends
-    until it sends None. `launch` is engine/executor.py's Launch."""
-    from vegaserve.engine.executor import build_rank  # the loader lives with the executor
-
-    if spawned:
-        _die_with_parent()
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    worker = build_rank(launch, rank)  # type: ignore[arg-type]
-    comm = worker.comm
-    try:
-        while True:
-            plan = comm.broadcast_plan()
-            if plan is None:
-                break
-            worker.run(plan)  # type: ignore[arg-type]
-    finally:
-        comm.close()

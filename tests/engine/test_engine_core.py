@@ -147,7 +147,7 @@ def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
     """4 sequences decoding beside 4 whose prompts are computed in the same step."""
     import torch
 
-    from vegaserve.engine.distributed.worker import StepPlan
+    from vegaserve.engine.forward_batch import StepPlan
     from vegaserve.engine.kv_cache import BlockTable
 
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from vegaserve.engine.distributed.worker import StepPlan, logits_rows, micro_batches
+from vegaserve.engine.distributed.worker import logits_rows, micro_batches
+from vegaserve.engine.forward_batch import StepPlan
 
 
 def plan_of(sizes: list[int]) -> StepPlan:

@@ -1,0 +1,156 @@
+"""Launch: how every rank builds its share of the model. Planned by rank 0 before anything loads, and
+planned alike by each rank torchrun starts (engine/executor.py's run_torchrun_worker): the device, the
+context length and KV blocks (`engine_shape`), the topology, the layers of each pipeline stage, and the
+memory check. Every impossible request fails here, before a process is spawned or a weight read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from vegaserve.engine.config import ConfigError, EngineConfig
+from vegaserve.engine.distributed.topology import (
+    Topology, check_model_splits, kv_heads_per_lane, partition_layers, plan_topology,
+)
+from vegaserve.engine.env import local_rank
+from vegaserve.engine.gguf_file import GGUFFile
+from vegaserve.engine.layers.attention import kv_cache_dtype
+from vegaserve.engine.models.arch_config import ArchConfig
+from vegaserve.triton_kernels.dequant import spec_for
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def engine_shape(config: EngineConfig, gguf: GGUFFile) -> tuple[int, int]:
+    """(context length, KV blocks): computed alike on every rank."""
+    trained = int(gguf.metadata.get(f"{gguf.architecture}.context_length", 0) or 0)
+    max_model_len = config.cache.context_size or trained or 4096
+    # the same memory a one-slot-per-sequence cache would use; sharing prefixes makes it go further
+    bs = config.cache.block_size
+    return max_model_len, config.cache.num_blocks or config.scheduler.max_num_seqs * -(-max_model_len // bs)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How every rank builds its share; the same on every rank (it pickles to spawned workers)."""
+
+    config: EngineConfig
+    path: str
+    topo: Topology
+    stages: tuple[range, ...]  # layers of each pipeline stage
+    max_model_len: int
+    num_slots: int
+    device_type: str  # cpu | cuda (ROCm's torch calls its GPUs cuda too)
+    init_method: str
+    threads: int  # torch CPU threads per rank (CPU ranks)
+    torchrun: bool = False
+    shared_gpus: bool = False  # more ranks than GPUs (a test setup): ranks share GPUs round-robin, over gloo
+
+
+def count_devices(config: EngineConfig) -> int:
+    """Devices to use: -ndev if given, else every visible GPU (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES
+    choose them), else one (the CPU)."""
+    if config.parallel.n_devices:
+        return config.parallel.n_devices
+    if config.device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer_bytes(gguf: GGUFFile, arch: ArchConfig) -> list[int]:
+    sizes = [0] * arch.n_layers
+    for name, info in gguf.tensors.items():
+        if name.startswith("blk."):
+            sizes[int(name.split(".")[1])] += info.n_bytes
+    return sizes
+
+
+def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
+    """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix)."""
+    layers = launch.stages[stage]
+    sizes = _layer_bytes(gguf, arch)
+    n = sum(sizes[i] for i in layers)
+    embd = gguf.info("token_embd.weight").n_bytes
+    if stage == 0:
+        n += embd
+    if stage == launch.topo.pp - 1:
+        n += gguf.info("output.weight").n_bytes if "output.weight" in gguf else (embd if stage else 0)
+    itemsize = torch.empty(0, dtype=kv_cache_dtype(launch.config.cache.kv_dtype, torch.device(launch.device_type))).element_size()
+    kv = 2 * len(layers) * launch.num_slots * kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp) * arch.head_dim * itemsize
+    return n // launch.topo.tp + kv
+
+
+def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where the figure comes from."""
+    if config.parallel.device_memory_gib:
+        return int(config.parallel.device_memory_gib * 2**30), "--device-memory"
+    if device_type == "cuda":
+        n = min(world, torch.cuda.device_count())
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) * n // world, "the smallest GPU"
+    with open("/proc/meminfo") as f:
+        avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
+    return (avail // world, "available host memory") if avail else (0, "")
+
+
+def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_model_len: int, num_slots: int,
+                device: torch.device, torchrun_world: int = 0) -> Launch:
+    """The topology, layer split and memory check for this config; every impossible request fails here."""
+    n = torchrun_world or count_devices(config)
+    topo = plan_topology(config.parallel.split_mode, config.parallel.tensor_parallel_group, n)
+    if topo.world_size < n and config.parallel.split_mode != "none":
+        log.warning("%d devices visible, %s uses %d", n, topo.describe(), topo.world_size)
+    block = {k: spec_for(gguf.info(f"blk.0.{k}.weight").type_id).block_size for k in ("attn_output", "ffn_down")}
+    for i in range(arch.n_layers):  # the largest block of each, over all layers (mixes differ per layer)
+        for k in block:
+            block[k] = max(block[k], spec_for(gguf.info(f"blk.{i}.{k}.weight").type_id).block_size)
+    check_model_splits(arch, topo, block, str(gguf.path))
+    embd = gguf.info("token_embd.weight").n_bytes
+    head = gguf.info("output.weight").n_bytes if "output.weight" in gguf else embd
+    stages = tuple(partition_layers(_layer_bytes(gguf, arch), topo.pp, embd, head))
+    cores = os.cpu_count() or 1
+    launch = Launch(
+        config=config, path=str(gguf.path), topo=topo, stages=stages, max_model_len=max_model_len,
+        num_slots=num_slots, device_type=device.type,
+        # torchrun's rendezvous is in the environment (MASTER_ADDR, MASTER_PORT); one node: a local port
+        init_method="env://" if torchrun_world else f"tcp://127.0.0.1:{_free_port()}",
+        threads=max(1, cores // topo.world_size), torchrun=bool(torchrun_world),
+    )
+    if device.type == "cuda" and not torchrun_world and topo.world_size > torch.cuda.device_count():
+        log.warning("%d ranks on %d GPU(s): ranks share GPUs and talk over gloo (for testing; slow)",
+                    topo.world_size, torch.cuda.device_count())
+        launch = dataclasses.replace(launch, shared_gpus=True)
+    limit, source = _device_memory(config, device.type, topo.world_size)
+    if limit:
+        for stage in range(topo.pp):
+            need = _rank_bytes(gguf, arch, launch, stage)
+            if need > limit:
+                raise ConfigError(
+                    f"{gguf.path}: {topo.describe()} needs {need / 2**30:.2f} GiB on each device of stage {stage} "
+                    f"(weights and KV cache for {num_slots} tokens), but {source} gives {limit / 2**30:.2f} GiB: "
+                    f"use more devices, a smaller context (-c) or fewer sequences (-np)"
+                )
+    return launch
+
+
+def rank_device(launch: Launch, rank: int) -> torch.device:
+    if launch.device_type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank() if launch.torchrun else rank % torch.cuda.device_count())
