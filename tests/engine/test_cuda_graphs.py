@@ -11,7 +11,7 @@ import torch
 
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.cuda_graphs import DecodeGraphs, buckets_for
-from vegaserve.engine.distributed.worker import StepPlan
+from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.layers.attention import KVCache, kv_cache_dtype
 
