@@ -89,7 +89,6 @@ class KernelConfig:
     token_graph: bool = True  # GGML_META_TOKEN_GRAPH
     q8_1_cache: bool = True  # GGML_CUDA_Q8_1_CACHE
     pdl: bool = True  # VEGASERVE_PDL: programmatic dependent launch of the decode kernels (sm_90+)
-    decode_rope: bool = False  # VEGASERVE_DECODE_ROPE: decode attention rotates and stores the new k/v itself
     tuning_file: str | None = None
 
 

@@ -37,7 +37,6 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
     "GGML_META_TOKEN_GRAPH": ("kernels", "token_graph", _flag),
     "GGML_CUDA_Q8_1_CACHE": ("kernels", "q8_1_cache", _flag),
     "VEGASERVE_PDL": ("kernels", "pdl", _flag),
-    "VEGASERVE_DECODE_ROPE": ("kernels", "decode_rope", _flag),
     "VEGASERVE_ASYNC_DECODE": ("scheduler", "async_decode", _flag),
 }
 

@@ -9,11 +9,6 @@
     combine  grid (seqs, heads): out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M), M = max_p lse_p.
 With one partition the split kernel writes the output itself and the combine is skipped. Partitions halve
 (down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
-With `new` (NewToken) the split kernel also does what fused.rope with its cache store did before it: it
-rotates q and the new token's key, and the program whose partition holds the new position stores that key
-and its value in the cache (a decode layer's launches: 3 -> 2). No program reads the new key from the
-cache: each takes it from registers into its tile, so the other keys, all written by earlier steps, are
-read before the PDL wait like a mat-vec's weights (the first tile; each next one a tile ahead).
 With `q8_1` the kernel that writes the output (the combine, or the split kernel with one partition) also
 writes its q8_1 copy, the o_proj's int8 mat-vec input (q8_1.store_q8_1_blocks), in place of a quantize launch.
 
@@ -23,7 +18,7 @@ Torch reference: `reference_decode` (keys gathered through the block table, floa
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import triton
@@ -32,17 +27,13 @@ import triton.language as tl
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_common import (
     LOG2E,
-    attend_kv,
     attend_slots,
     check_inputs,
     gather_keys,
     head_tiles,
     launch_params,
-    load_kv,
     reference_attention,
-    rotate_pair,
     tile_slots,
-    to_cache,
 )
 from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, store_q8_1_blocks
 
@@ -50,22 +41,19 @@ from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, sto
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
-    pos_ptr, cos_ptr, sin_ptr, new_slot_ptr, kn_ptr, vn_ptr,  # ROPE: the new token's rotation and store
     q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
     qk_scale, num_partitions,  # scalars
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
-    stride_kns, stride_knh, stride_vns, stride_vnh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-    Q8: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.let_next_start(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     # the step's lengths, block tables, positions and slots are written before its first kernel (pdl.py):
-    # read before the wait, with the first tile's cache slots and the angles
+    # read before the wait, with the first tile's cache slots
     seq_len = tl.load(lens_ptr + seq)
     lo = part * PARTITION
     hi = tl.minimum(lo + PARTITION, seq_len)
@@ -77,25 +65,9 @@ def _decode_split_kernel(
     qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
-    if ROPE:
-        angles = rope_angles(pos_ptr + seq, cos_ptr, sin_ptr, d, ROT, NEOX)
-        new_slot = tl.load(new_slot_ptr + seq).to(tl.int64)
-        # every key but the new token's was written by an earlier step, and this kernel writes only the new
-        # one: the first tile's keys and values are read before the wait too (the new one comes in registers)
-        old_end = seq_len - 1
-        k, v = load_kv(k_head, v_head, slot, lo, old_end, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D)
-    pdl.wait_for_inputs(PDL)  # q, and (unless ROPE) the cache with this step's key and value
-    if ROPE:
-        q = rotate(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh, d, qmask, angles)
-        one = d[None, :] < HEAD_DIM
-        k_new = to_cache(rotate(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh, d, one, angles), k_ptr)
-        v_new = to_cache(tl.load(vn_ptr + seq.to(tl.int64) * stride_vns + kvh * stride_vnh + d[None, :], mask=one), v_ptr)
-        if part == old_end // PARTITION:  # the partition that holds the new token stores its k and v
-            tl.store(k_head + new_slot * stride_ks + d[None, :], k_new, mask=one)
-            tl.store(v_head + new_slot * stride_vs + d[None, :], v_new, mask=one)
-    else:
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=qmask,
-                    other=0.0)
+    pdl.wait_for_inputs(PDL)  # q, and the cache with this step's key and value
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=qmask,
+                other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     else:
@@ -106,18 +78,10 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     qpos = tl.zeros([BLOCK_G], tl.int32)  # unused: the one query sees every key
     for kstart in range(lo, hi, BLOCK_N):
-        if ROPE:  # the tile read one iteration ahead, the new token's row put in from registers
-            new = (kstart + tl.arange(0, BLOCK_N) == old_end)[:, None]
-            acc, l, m = attend_kv(acc, l, m, q, tl.where(new, k_new, k), tl.where(new, v_new, v), kstart, hi, qpos,
-                                  qk_scale, BLOCK_N, False, DOT_F32)
-            slot = tile_slots(table, kstart + BLOCK_N, hi, PAGE, BLOCK_N)
-            k, v = load_kv(k_head, v_head, slot, kstart + BLOCK_N, old_end, stride_ks, stride_vs, HEAD_DIM,
-                           BLOCK_N, BLOCK_D)
-        else:
-            if kstart != lo:  # the first tile's slots were read before the wait
-                slot = tile_slots(table, kstart, hi, PAGE, BLOCK_N)
-            acc, l, m = attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
-                                     stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_F32)
+        if kstart != lo:  # the first tile's slots were read before the wait
+            slot = tile_slots(table, kstart, hi, PAGE, BLOCK_N)
+        acc, l, m = attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
+                                 stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_F32)
 
     l_safe = tl.where(l > 0, l, 1.0)  # an empty partition: m = -inf, acc = 0, so o = 0 and lse = -inf
     o = acc / l_safe[:, None]
@@ -135,39 +99,6 @@ def _decode_split_kernel(
         row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part  # [S, H, P]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
         tl.store(part_lse_ptr + row, m + tl.log2(l_safe), mask=g < GROUP)
-
-
-@triton.jit
-def rope_angles(pos_ptr, cos_ptr, sin_ptr, d, ROT: tl.constexpr, NEOX: tl.constexpr):
-    """For features d of a head at the position *pos_ptr: (cos, sin, partner feature, first of its pair,
-    rotated), as fused.rope pairs them: (i, i + ROT/2) with NEOX, else (2i, 2i + 1); features ROT.. keep."""
-    p = tl.load(pos_ptr).to(tl.int64)
-    rotated = d < ROT
-    if NEOX:
-        first = d < ROT // 2
-        i = tl.where(first, d, d - ROT // 2)
-        partner = tl.where(first, d + ROT // 2, d - ROT // 2)
-    else:
-        first = d % 2 == 0
-        i = d // 2
-        partner = d ^ 1
-    cos = tl.load(cos_ptr + p * (ROT // 2) + i, mask=rotated, other=1.0)
-    sin = tl.load(sin_ptr + p * (ROT // 2) + i, mask=rotated, other=0.0)
-    return cos, sin, partner, first, rotated
-
-
-@triton.jit
-def rotate(rows, d, mask, angles):
-    """Rows [R, D] at `rows` ([R, 1] pointers) rotated by `angles` (rope_angles) in f32, then rounded to
-    their own type as fused.rope stores them: a cos - b sin for the first of a pair, b cos + a sin for the
-    second (attention_common.rotate_pair, as fused.rope: the same roundings)."""
-    cos, sin, partner, first, rotated = angles
-    x = tl.load(rows + d[None, :], mask=mask, other=0.0)
-    xp = tl.load(rows + partner[None, :], mask=mask & rotated[None, :], other=0.0).to(tl.float32)
-    xf = x.to(tl.float32)
-    r = tl.where(first[None, :], rotate_pair(xf, xp, cos[None, :], sin[None, :])[0],
-                 rotate_pair(xp, xf, cos[None, :], sin[None, :])[1])
-    return tl.where(rotated[None, :], r.to(x.dtype), x)
 
 
 @triton.jit
@@ -226,32 +157,13 @@ def _compute_units(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class NewToken(NamedTuple):
-    """The new token of each sequence as the layer's q/k/v mat-vec left it, for decode_attention to rotate
-    and store itself (one launch where rope with its cache store, then attention, took two): k and v
-    [S, KV, D] (unit stride over D), positions and cache slots [S] (int64), the angle tables cos/sin
-    [max_pos, rope_dim / 2] f32 (RotaryEmbedding's), rope_dim, and the pairing (neox)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    rope_dim: int
-    neox: bool
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
-                     out: torch.Tensor | None = None, new: NewToken | None = None, q8_1: bool = False,
+                     out: torch.Tensor | None = None, q8_1: bool = False,
                      **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
     """q [S, H, D]: the one new token of each sequence (its k/v already in the cache); block_tables
     [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
     so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
-    `new`: q and the new k are not rotated yet and k/v not in the cache: the kernel rotates q and k as
-    fused.rope does (the same roundings), every program takes the new k/v into its tile from registers,
-    and the program whose partition holds the new position stores them as rope's cache store would.
     `q8_1`: (out, its q8_1 copy as rows [S, H * D]), the bytes quantize_q8_1 of out gives, written by the
     kernel that writes out (the o_proj's int8 mat-vec then needs no quantize launch of its own)."""
     H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
@@ -260,16 +172,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode takes one query per sequence: {S} rows for {seq_lens.shape[0]} sequences")
     if q.stride(2) != 1:
         q = q.contiguous()
-    if new is not None:
-        if (new.k.shape != (S, KV, D) or new.v.shape != (S, KV, D) or new.k.stride(2) != 1 or new.v.stride(2) != 1
-                or new.positions.shape != (S,) or new.slots.shape != (S,) or new.rope_dim % 2 or new.rope_dim > D):
-            raise ValueError(f"decode's new token: k {tuple(new.k.shape)}, v {tuple(new.v.shape)} (unit stride "
-                             f"over D), {tuple(new.positions.shape)} positions, {tuple(new.slots.shape)} slots and "
-                             f"rope_dim {new.rope_dim} for {S} sequences of {KV} kv heads of {D}")
-        rope_args = (new.positions, new.cos.contiguous(), new.sin.contiguous(), new.slots, new.k, new.v)
-        rope_strides = (new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1))
-    else:
-        rope_args, rope_strides = (seq_lens,) * 6, (0,) * 4
     meta, opts = launch_params("decode", params)
     block_n, partition = meta["block_n"], meta["partition"]
     if partition % block_n or block_n & (block_n - 1) or block_n < 16:
@@ -288,13 +190,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_o = out if single else torch.empty(S, H, n_part, D, dtype=torch.float32, device=q.device)
     part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, KV, n_part)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *rope_args, *q8,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *q8,
         scale * LOG2E, n_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), *rope_strides,
+        block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, ROPE=new is not None,
-        ROT=new.rope_dim if new is not None else 0, NEOX=bool(new is not None and new.neox), Q8=fused_q8,
+        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, Q8=fused_q8,
         **opts, **pdl.launch_args(q.device),
     )
     if not single:

@@ -61,28 +61,6 @@ def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, f
     return KVStore(cache.k[layer], cache.v[layer], batch.attention.new_slots, v, first_k)
 
 
-def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, rope, layer: int, cache: KVCache, batch: ForwardBatch,
-                          scale: float, n_heads: int,
-                          want_q8_1: bool = False) -> tuple[torch.Tensor, Q8_1 | None] | None:
-    """A decode step on a GPU (every sequence brings one token): the rotation of q and k, the cache store
-    of k/v and the attention in the decode kernel's launch (triton_kernels/attention_decode.py NewToken),
-    where rope and then the attention took one launch more. qk [T, H + KV, D] as the qkv mat-vec left it
-    (q's heads, then k's), v [T, KV, D], rope the RotaryEmbedding. Returns ([T, H, D], its q8_1 as
-    cached_attention's), or None where this does not apply (a CPU, a prefill or mixed batch): the caller
-    rotates and attends apart. A model takes this path only with kernels.decode_rope
-    (VEGASERVE_DECODE_ROPE=1), off by default: on the H200 it was no faster than RoPE's own launch
-    (docs/PERF.md, eighth sitting)."""
-    if qk.device.type != "cuda" or batch.attention.max_query_len != 1:
-        return None
-    from vegaserve.triton_kernels.attention_decode import NewToken, decode_attention
-
-    a = batch.attention
-    new = NewToken(qk[:, n_heads:], v, batch.positions, a.new_slots, rope.cos, rope.sin, rope.rope_dim, rope.neox)
-    out = decode_attention(qk[:, :n_heads], cache.k[layer], cache.v[layer], a.block_tables, a.seq_lens, scale,
-                           a.page_size, a.max_seq_len, new=new, q8_1=want_q8_1)
-    return _with_q8_1(out, want_q8_1)
-
-
 def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     stored: bool = False, want_q8_1: bool = False,

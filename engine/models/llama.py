@@ -26,7 +26,7 @@ from vegaserve.engine.distributed.communicator import Communicator, LocalCommuni
 from vegaserve.engine.distributed.sharding import slice_cols, slice_rows, vocab_slice
 from vegaserve.engine.distributed.topology import kv_heads_per_lane, lane_kv_head
 from vegaserve.engine.forward_batch import ForwardBatch
-from vegaserve.engine.layers.attention import KVCache, cached_attention, decode_attention_rope, kv_store
+from vegaserve.engine.layers.attention import KVCache, cached_attention, kv_store
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.norm import RMSNorm, silu_mul_q8_1
@@ -36,11 +36,9 @@ from vegaserve.engine.models.weights import WeightLoader
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int,
-                 decode_rope: bool = False) -> None:
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int) -> None:
         super().__init__()
         self.index = index  # the GGUF layer (tensor names)
-        self.decode_rope = decode_rope  # decode steps: rotation and cache store in the attention kernel
         self.cache_layer = cache_layer  # its place in this rank's KV cache
         self.comm = comm
         tp, lane = comm.tp, comm.lane
@@ -106,28 +104,20 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(x, xq)
         q, k, v = qkv.split(self.split, dim=-1)
         v = v.view(T, self.n_kv, self.head_dim)
-        # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer);
-        # in a decode step the attention kernel rotates and stores them itself (one launch fewer again)
-        a = None
+        # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer)
         want = self.o_proj.wants_q8_1(T)  # the attention's output in q8_1 too, written by its decode kernel
         if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
             qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
-            if self.decode_rope:
-                a = decode_attention_rope(qk, v, rope, self.cache_layer, cache, batch, self.scale, self.n_heads,
-                                          want)
-            if a is None:
-                store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
-                qk = rope(qk, batch.positions, store)
-                q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
+            qk = rope(qk, batch.positions, store)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q = self.q_norm(q.view(T, self.n_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
             store = kv_store(v, self.cache_layer, cache, batch, 0)
             q, k = rope(q, batch.positions), rope(k, batch.positions, store)
-        if a is None:
-            a = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None,
+        a, aq = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None,
                                  want_q8_1=want)
-        a, aq = a
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1), aq)),
                                              self.gate_up.wants_q8_1(T))
         return h, self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T))))
@@ -135,14 +125,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, method: QuantMethod, max_positions: int, comm: Communicator | None = None,
-                 layers: range | None = None, decode_rope: bool = False) -> None:
+                 layers: range | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.method = method
         self.max_positions = max_positions
         self.comm = comm = comm or LocalCommunicator()
         self.layer_range = range(cfg.n_layers) if layers is None else layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j, decode_rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j)
                                     for j, i in enumerate(self.layer_range))
         self.vocab0, vocab_rows, self.vocab_width = vocab_slice(cfg.vocab_size, comm.tp, comm.lane)
         self.embed = QuantEmbedding(vocab_rows, cfg.hidden_size) if comm.is_first_stage else None

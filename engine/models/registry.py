@@ -35,11 +35,9 @@ def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None
 def load_model(
     gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
     tuning_file: str | None = None, comm: Communicator | None = None, layers: range | None = None,
-    decode_rope: bool = False,
 ) -> LoadedModel:
     """The model, or with `comm` one rank's share of it: the `layers` of its pipeline stage, sliced for its
-    tensor-parallel lane (models/llama.py). decode_rope: decode steps on a GPU rotate q and k inside the
-    attention kernel (config kernels.decode_rope)."""
+    tensor-parallel lane (models/llama.py)."""
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
     if cls is None:
@@ -48,7 +46,7 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions, comm, layers, decode_rope)
+    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions, comm, layers)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

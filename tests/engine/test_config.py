@@ -169,7 +169,6 @@ ENV_CASES: dict[str, tuple[str, str, str, object]] = {
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
-    "VEGASERVE_DECODE_ROPE": ("1", "kernels", "decode_rope", True),
     "VEGASERVE_ASYNC_DECODE": ("0", "scheduler", "async_decode", False),
 }
 FLAG_SWITCHES = [n for n, (_, _, _, expected) in ENV_CASES.items() if isinstance(expected, bool)]
@@ -195,8 +194,8 @@ def test_unset_and_unrelated_variables_give_an_empty_tree() -> None:
 
 def test_all_switches_together_build_one_config() -> None:
     c = EngineConfig.from_dict(config_from_env({n: v for n, (v, *_) in ENV_CASES.items()}))
-    assert (c.parallel.sched_n_copies, c.kernels.token_graph, c.kernels.decode_rope, c.scheduler.async_decode) == (
-        4, False, True, False,
+    assert (c.parallel.sched_n_copies, c.kernels.token_graph, c.kernels.q8_1_cache, c.scheduler.async_decode) == (
+        4, False, False, False,
     )
 
 

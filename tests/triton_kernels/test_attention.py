@@ -99,66 +99,16 @@ def test_decode_with_page_size_one_reads_a_plain_slot_list():
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, 1)) < 1e-5
 
 
-@pytest.mark.parametrize("neox,rope_dim,partition", [(False, 64, 32), (True, 48, 32), (True, 64, 128)],
-                         ids=["norm-32", "neox-partial-32", "neox-one-partition"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-def test_decode_with_the_new_token_rotates_and_stores_it_as_rope_then_attention(dtype, neox, rope_dim, partition):
-    """new=NewToken: q and the new k/v as the qkv mat-vec leaves them (views of one output, not rotated,
-    k/v not in the cache: NaN at their slots). The caches after the launch equal those rope's cache store
-    writes, element for element, and the output equals rope-then-decode's (the same rotated q) and the
-    float64 reference on it; across partitions of 32 (the new token in the last one, the others reading
-    none of it) and in one partition (the split kernel writes the output)."""
-    from vegaserve.engine.layers.rotary import RotaryEmbedding
-    from vegaserve.engine.models.arch_config import RopeScaling
-    from vegaserve.triton_kernels.attention_decode import NewToken
-    from vegaserve.triton_kernels.fused import KVStore, rope
-
-    group, D = 4, 64
-    H = group * KV
-    k, v, tables, gen = paged_cache(DECODE_LENS, D, dtype, seed=11 + rope_dim)
-    seq_lens, _ = query_layout(DECODE_LENS, [1] * len(DECODE_LENS))
-    S = len(DECODE_LENS)
-    positions = (seq_lens - 1).long()
-    slots = torch.stack([tables[s, int(p) // PAGE].long() * PAGE + int(p) % PAGE for s, p in enumerate(positions)])
-    k[slots] = float("nan")  # the new token's k/v are not in the cache yet
-    v[slots] = float("nan")
-    qkv = torch.randn(S, (H + 2 * KV) * D, generator=gen).to(dtype).to(DEVICE)
-    qk = qkv[:, : (H + KV) * D].view(S, H + KV, D)
-    new_v = qkv[:, (H + KV) * D :].view(S, KV, D)
-    rot = RotaryEmbedding(D, rope_dim, 10000.0, 128, RopeScaling(), neox)
-    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
-
-    k2, v2 = k.clone(), v.clone()
-    rotated = rope(qk, positions, cos, sin, rope_dim, neox, KVStore(k2, v2, slots, new_v, H))
-    want = decode_attention(rotated[:, :H], k2, v2, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
-                            out=nan_like(rotated[:, :H]), block_n=16, partition=partition)
-    new = NewToken(qk[:, H:], new_v, positions, slots, cos, sin, rope_dim, neox)
-    got = decode_attention(qk[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
-                           out=nan_like(rotated[:, :H]), new=new, block_n=16, partition=partition)
-    for a, b in ((k, k2), (v, v2)):
-        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-    assert torch.equal(got, want)
-    ref = reference_decode(rotated[:, :H].contiguous(), k2, v2, tables, seq_lens, SCALE, PAGE)
-    assert rel_err(got, ref) < TOL[dtype]
-    with pytest.raises(ValueError, match="new token"):
-        decode_attention(qk[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS),
-                         new=new._replace(slots=slots[:2]))
-
-
 @pytest.mark.parametrize("head_dim,partition,dtype", [(64, 32, torch.float32), (64, 128, torch.float16),
                                                      (48, 32, torch.float32)],
                          ids=["combine-f32", "one-partition-f16", "d48-quantize-launch"])
-@pytest.mark.parametrize("with_new", [False, True], ids=["cached", "new-token"])
 def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monkeypatch, head_dim, partition,
-                                                                            dtype, with_new):
+                                                                            dtype):
     """q8_1=True: the output is the same bits as without it, and the q8_1 copy (buffers poisoned: q 77, d and
     s NaN) equals quantize_q8_1 of that output, code for code and scale for scale: written by the combine
     (partitions of 32), by the split kernel (one partition), or, where a head is not whole q8_1 blocks of
     its tile (head_dim 48 in a 64-wide tile), by a quantize launch after it."""
-    from vegaserve.engine.layers.rotary import RotaryEmbedding
-    from vegaserve.engine.models.arch_config import RopeScaling
     from vegaserve.triton_kernels import attention_decode
-    from vegaserve.triton_kernels.attention_decode import NewToken
     from vegaserve.triton_kernels.q8_1 import q8_1_buffers, quantize_q8_1
 
     def poisoned(M, K, device):
@@ -170,18 +120,10 @@ def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monk
     H, S = group * KV, len(DECODE_LENS)
     k, v, tables, gen = paged_cache(DECODE_LENS, head_dim, dtype, seed=21)
     seq_lens, _ = query_layout(DECODE_LENS, [1] * S)
-    q = torch.randn(S, H + KV, head_dim, generator=gen).to(dtype).to(DEVICE)
-    new = None
-    if with_new:
-        positions = (seq_lens - 1).long()
-        slots = torch.stack([tables[i, int(p) // PAGE].long() * PAGE + int(p) % PAGE for i, p in enumerate(positions)])
-        rot = RotaryEmbedding(head_dim, head_dim, 10000.0, 128, RopeScaling(), True)
-        new_v = torch.randn(S, KV, head_dim, generator=gen).to(dtype).to(DEVICE)
-        new = NewToken(q[:, H:], new_v, positions, slots, rot.cos.to(DEVICE), rot.sin.to(DEVICE), head_dim, True)
-    args = (q[:, :H], k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS))
-    plain = decode_attention(*args, out=nan_like(q[:, :H]), new=new, block_n=16, partition=partition)
-    out, (codes, d, sums) = decode_attention(*args, out=nan_like(q[:, :H]), new=new, block_n=16, partition=partition,
-                                             q8_1=True)
+    q = torch.randn(S, H, head_dim, generator=gen).to(dtype).to(DEVICE)
+    args = (q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS))
+    plain = decode_attention(*args, out=nan_like(q), block_n=16, partition=partition)
+    out, (codes, d, sums) = decode_attention(*args, out=nan_like(q), block_n=16, partition=partition, q8_1=True)
     assert torch.equal(out, plain)
     want = quantize_q8_1(out.reshape(S, -1))
     assert torch.equal(codes, want[0])
