@@ -1,7 +1,7 @@
 """Emulation of llama.cpp's CPU (ggml-cpu) arithmetic, for matching its logits, not for speed.
 
 An analysis tool (it explained why llama.cpp's reference logits cannot be matched closer than its own
-build-to-build spread, docs/PERF.md); the engine does not use it.
+build-to-build spread); the engine does not use it.
 
 A model computed in plain f32 agrees with transformers to ~1e-6 but not with llama.cpp: ggml's CPU backend
 rounds in places f32 torch does not. With q8 activations SmolLM2-135M is chaotic: a 1e-6 relative nudge of

@@ -1,22 +1,17 @@
 """Registers and spills of the decode mat-vec kernels as the tuning file launches them, from the compilers
 alone (no GPU): what to rule out before spending device time on a sweep, and the one check there is for a
-target this project has no machine of (gfx906). A kernel that spills reads and writes local memory in its
-loop, which may or may not be what holds it back: the Q4_K matrix-unit kernel spills 1764 bytes at its
-shipped block_n 128 and ran faster there than at block_n 64, which spills 144 (docs/PERF.md, sixth
-sitting). A spill is a thing to time, not a verdict.
+target this project has no machine of (gfx906). A spill is a thing to time, not a verdict: a kernel that
+spills reads and writes local memory in its loop, which may or may not be what holds it back.
 
-    python benchmarks/kernel_resources.py [--target cuda:90 | hip:gfx906] [--op matvec_int8 | matvec]
-        [--tuning FILE] [--shapes Q4_K:28672x4096,...] [--ms 1,2,8] [--extra '{"num_warps": 8};{"block_n": 64}']
+    python benchmarks/kernel_resources.py [--target cuda:90 | hip:gfx906] [--tuning FILE] [--canonical]
+        [--shapes Q4_K:28672x4096,...] [--ms 1,2,8] [--extra '{"num_warps": 8};{"kernel": "int8"}']
 
---op matvec_int8: the int8-dot kernels (matvec_int8.py); matvec: the tile kernel (matmul.matvec, the
-decode mat-vec of every type the file gives no other kernel, gfx906's today). Without --shapes: every
-entry of the tuning file (default: the target's) for the op that names one shape. With it: those shapes
-at --ms, the file's parameters (over the fallback) with each --extra variant on top. The kernel and its
-constexprs are the launcher's own choice (matvec_int8.choose_kernel with matvec_flat's launch_for and
-rule; matmul's matvec_tiles and matvec_constexprs), and for --op matvec_int8 with the integer arguments
+Without --shapes: every entry of the tuning file (default: the target's) that names one shape, with the
+kernel it names. With it: those shapes at --ms, with the file's choice (over the kernel's rule), each
+--extra variant on top (a variant may name another kernel). --canonical: the `matvec_canonical` table.
+The kernel and its constexprs are the launcher's own choice, and the int8 kernels' integer arguments are
 specialized as a launch specializes them (compile_kernel: the layout's strides are multiples of 16, which
-is what lets the compiler load a run of words 16 bytes at a time; before this the offline compile saw
-plain i32s and showed 4-byte loads that the GPU never ran). NVIDIA: ptxas -v of the PTX (the ptxas Triton
+lets the compiler load a run of words 16 bytes at a time). NVIDIA: ptxas -v of the PTX (the ptxas Triton
 carries that takes it); AMD: the VGPRs and the scratch bytes of the AMDGCN assembly. Prints a table and
 one JSON line.
 
@@ -25,11 +20,8 @@ all, matrix and dot instructions (IMMA, IDP), global loads, shared-memory traffi
 STS, BAR), and the integer-ALU share (LOP3, SHF, IADD3, I2FP and the like, which issue at half rate on
 sm_90's ALU pipe). With the weight bytes one loop iteration of one warp covers, the issue-time floor of
 the whole matrix: every warp instruction takes an issue slot of one of the device's 4 schedulers per SM
-each clock (--sms, --clock-ghz); and the ALU floor, two clocks for each ALU instruction (sm_90 issues a
-warp's integer-logic instruction to 16 lanes a clock; I2FP counted there too). Floors from instruction
-counts, not times: they say which kernels the instructions alone keep from the memory's pace (the
-kernels timed so far ran at 1.5-1.7x the larger floor where it was above the memory's time;
-docs/PERF.md, seventh sitting).
+each clock (--sms, --clock-ghz); and the ALU floor, two clocks for each ALU instruction. Floors from
+instruction counts, not times: they say which kernels the instructions alone keep from the memory's pace.
 """
 
 from __future__ import annotations
@@ -48,11 +40,11 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-from vegaserve.triton_kernels import matmul
-from vegaserve.triton_kernels import matvec_int8 as mv
+from vegaserve.triton_kernels import matmul, matvec_int8, matvec_mma, matvec_pieces
 from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, PTX_DP4A
 from vegaserve.triton_kernels.layout import repack
-from vegaserve.triton_kernels.matvec_flat import launch_for, rule
+from vegaserve.triton_kernels.matvec import KERNELS
 from vegaserve.triton_kernels.tuning import CONFIG_DIR, Tuning, load_tuning
 
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
@@ -103,7 +95,7 @@ def launch_ints(type_name: str, n: int, k: int, params: dict) -> dict[str, int]:
     fields = repack(raw, tid, n, k).field_args()
     names = [f"{c}{i}" for i in range(4) for c in "orb"]
     return {**dict(zip(names, fields, strict=True)), "N": n, "K": k,
-            "blocks_per_split": launch_for(tid, k, params).per_split}
+            "blocks_per_split": matmul.tile_split(tid, k, params["nb"], params.get("split_k", 1))[1]}
 
 
 def nvidia_resources(ptx: str, arch: int) -> tuple[int, int]:
@@ -170,9 +162,9 @@ def loop_mix(text: str) -> dict[str, int]:
 
 def loop_bytes(type_name: str, kernel_name: str, consts: dict, num_warps: int) -> float:
     """Weight bytes one iteration of one warp reads: BLOCK_N rows of NB blocks (super-blocks for the
-    K-quants) a program iteration; one super-block for the K-quants' matrix-unit kernels (mma 1, lanes)."""
+    K-quants) a program iteration; one super-block for the K-quants' lanes kernel."""
     spec = GGML_TYPES[TYPE_IDS[type_name]]
-    one_super_block = kernel_name == "_q4_k_mma_kernel" or (kernel_name == "lanes_kernel" and consts["KIND"] != 0)
+    one_super_block = kernel_name == "lanes_kernel" and consts["KIND"] != 0
     per_tile = 1 if one_super_block else consts["NB"]
     return consts["BLOCK_N"] * per_tile * spec.type_size / num_warps
 
@@ -185,14 +177,14 @@ def amd_resources(asm: str) -> tuple[int, int]:
 
 
 def entries(tuning: Tuning, args) -> list[tuple[str, int, int, int, dict]]:
-    """(type, n, k, m, launch parameters) to compile."""
+    """(type, n, k, m, the entry: its kernel and launch parameters) to compile."""
     backend = tuning.target.split("_")[0]
     sms, warp = DEVICES[backend]
 
-    def params(name: str, n: int, k: int, m: int) -> dict:
-        if args.op == "matvec":
-            return tuning.matvec(name, n, k, m)
-        return {**rule(TYPE_IDS[name], n, k, m, sms, warp), **(tuning.measured(args.op, name, n, k, m) or {})}
+    def entry(name: str, n: int, k: int, m: int, extra: dict | None = None) -> dict:
+        found = {**tuning.matvec(name, n, k, m, not args.canonical), **(extra or {})}
+        rule = KERNELS[found["kernel"]].rule(TYPE_IDS[name], n, k, m, sms, warp)
+        return {**rule, **found}
 
     out = []
     if args.shapes:
@@ -201,35 +193,42 @@ def entries(tuning: Tuning, args) -> list[tuple[str, int, int, int, dict]]:
             name, shape = item.split(":")
             n, k = (int(v) for v in shape.split("x"))
             for m in (int(v) for v in args.ms.split(",")):
-                out += [(name, n, k, m, {**params(name, n, k, m), **extra}) for extra in variants]
+                out += [(name, n, k, m, entry(name, n, k, m, extra)) for extra in variants]
         return out
-    for name, shapes in tuning.table.get(args.op, {}).items():
+    for name, shapes in tuning.table.get("matvec_canonical" if args.canonical else "matvec", {}).items():
         for shape, by_m in shapes.items():
             if "x" not in shape:
                 continue  # a shape class: no one shape to compile for
             n, k = (int(v) for v in shape.split("x"))
-            out += [(name, n, k, int(m), params(name, n, k, int(m))) for m in by_m]
+            out += [(name, n, k, int(m), entry(name, n, k, int(m))) for m in by_m]
     return out
 
 
-def launch(op: str, type_name: str, k: int, m: int, params: dict, backend: str):
-    """(kernel, constexprs, num_stages) as the op's launcher would launch it."""
+def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
+    """(kernel, constexprs, num_stages) as the entry's kernel would launch it."""
     tid = TYPE_IDS[type_name]
-    if op == "matvec":
-        nb, _, _ = matmul.matvec_tiles(tid, k, params["nb"], params.get("split_k", 1))
-        return matmul._matvec_kernel, matmul.matvec_constexprs(tid, m, params["block_n"], nb), params.get("num_stages", 2)
-    kernel, type_args = mv.choose_kernel(tid, m, params)
-    plan = launch_for(tid, k, params)
-    dot = mv.PTX_DP4A if backend == "cuda" else mv.AMDGCN_DOT4
-    consts = dict(M=m, BLOCK_N=params["block_n"], NB=plan.per_tile, SPLIT=plan.split, DOT=dot,
-                  CARRY=params.get("carry", 1), PDL=backend == "cuda", **type_args)
-    return kernel, consts, 1
+    kernel = entry["kernel"]
+    nb, _, split = matmul.tile_split(tid, k, entry["nb"], entry.get("split_k", 1))
+    if kernel == "tiles":
+        return matmul._matvec_kernel, matmul.tile_constexprs(tid, m, entry["block_n"], nb), entry.get("num_stages", 2)
+    if kernel == "lanes" and tid in matvec_int8.TYPES - {12, 14} and nb == 1:
+        kernel = "int8"  # a one-block tile: matvec_lanes runs the int8 kernel
+    if kernel == "int8":
+        fn, type_args = matvec_int8.kernel_for(tid, m)
+    elif kernel == "pieces":
+        fn, type_args = matvec_pieces._KERNELS[tid], {"UNPACK": entry.get("unpack", 0)}
+    else:
+        fn, type_args = matvec_mma.lanes_kernel, matvec_mma.kernel_args(tid, entry["num_warps"])
+    dot = PTX_DP4A if backend == "cuda" else AMDGCN_DOT4
+    consts = dict(M=m, BLOCK_N=entry["block_n"], NB=nb, SPLIT=split, DOT=dot, CARRY=entry.get("carry", 1),
+                  PDL=backend == "cuda", **type_args)
+    return fn, consts, 1
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="cuda:90", help="cuda:ARCH (sm number) or hip:GFX")
-    ap.add_argument("--op", default="matvec_int8", choices=("matvec_int8", "matvec"))
+    ap.add_argument("--canonical", action="store_true", help="the matvec_canonical table (weights in GGUF blocks)")
     ap.add_argument("--tuning", default=None, help="tuning file (default: configs/kernels/<target>.json)")
     ap.add_argument("--shapes", default=None, help="TYPE:NxK,... (default: every entry of the tuning file)")
     ap.add_argument("--ms", default="1")
@@ -251,8 +250,8 @@ def main() -> None:
           f"|---|---|---|---|---|---|---|{'---|' * 8 if args.sass else ''}")
     rows = []
     for type_name, n, k, m, params in entries(tuning, args):
-        kernel, consts, stages = launch(args.op, type_name, k, m, params, backend)
-        ints = launch_ints(type_name, n, k, params) if args.op == "matvec_int8" else None
+        kernel, consts, stages = launch(type_name, k, m, params, backend)
+        ints = launch_ints(type_name, n, k, params) if params["kernel"] != "tiles" else None
         compiled = compile_kernel(kernel, consts, params.get("num_warps", 4), stages, target, ints)
         if backend == "cuda":
             regs, spill = nvidia_resources(compiled.asm["ptx"], int(arch))

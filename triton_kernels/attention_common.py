@@ -28,8 +28,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # decode program takes (halved while the grid has fewer than min_programs programs, 2 per compute unit by
 # default); block_m: query rows (tokens x heads of one group) per prefill program. The other keys are
 # compiler options.
-# NVIDIA (warp 32, tensor cores), sm_90: the timed rule (docs/PERF.md, 2026-12-02 H200: decode at 64 x
-#   4096 reads K/V at 89% of copy bandwidth, prefill of 2048 at 47% of torch's flash SDPA): decode 64-key
+# NVIDIA (warp 32, tensor cores), sm_90: the rule timed on an H200 (docs/PERFORMANCE.md): decode 64-key
 #   tiles on 4 warps, prefill 128x64 on 8 warps. ptxas (Triton 3.9) gives the decode 48 bytes of stack
 #   on 4 warps and none on 8 (193 registers): 8 warps is the first thing to time.
 # The gfx906 rule is not timed: from the compiler's register report for an f16 cache, head_dim 128, group

@@ -11,10 +11,30 @@ nothing but torch and the standard library (the tests cross-check them against `
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
 from vegaserve.triton_kernels.quants import floats, iq4_nl, kquants, legacy, mxfp4
+
+
+class GGMLType(IntEnum):
+    """The ggml type ids of the weight types served: the one table every launcher and rule names them by
+    (a @triton.jit kernel takes the id as a constexpr)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    IQ4_NL = 20
+    BF16 = 30
+    MXFP4 = 39
 
 
 @dataclass(frozen=True)
@@ -28,19 +48,19 @@ class QuantSpec:
 
 
 _SERVED: tuple[tuple[QuantSpec, Callable[[torch.Tensor], torch.Tensor]], ...] = (
-    (QuantSpec("F32", 0, 1, 4), floats.dequantize_f32),
-    (QuantSpec("F16", 1, 1, 2), floats.dequantize_f16),
-    (QuantSpec("Q4_0", 2, 32, 18), legacy.dequantize_q4_0),
-    (QuantSpec("Q4_1", 3, 32, 20), legacy.dequantize_q4_1),
-    (QuantSpec("Q5_0", 6, 32, 22), legacy.dequantize_q5_0),
-    (QuantSpec("Q5_1", 7, 32, 24), legacy.dequantize_q5_1),
-    (QuantSpec("Q8_0", 8, 32, 34), legacy.dequantize_q8_0),
-    (QuantSpec("Q4_K", 12, 256, 144), kquants.dequantize_q4_k),
-    (QuantSpec("Q5_K", 13, 256, 176), kquants.dequantize_q5_k),
-    (QuantSpec("Q6_K", 14, 256, 210), kquants.dequantize_q6_k),
-    (QuantSpec("IQ4_NL", 20, 32, 18), iq4_nl.dequantize_iq4_nl),
-    (QuantSpec("BF16", 30, 1, 2), floats.dequantize_bf16),
-    (QuantSpec("MXFP4", 39, 32, 17), mxfp4.dequantize_mxfp4),
+    (QuantSpec("F32", GGMLType.F32, 1, 4), floats.dequantize_f32),
+    (QuantSpec("F16", GGMLType.F16, 1, 2), floats.dequantize_f16),
+    (QuantSpec("Q4_0", GGMLType.Q4_0, 32, 18), legacy.dequantize_q4_0),
+    (QuantSpec("Q4_1", GGMLType.Q4_1, 32, 20), legacy.dequantize_q4_1),
+    (QuantSpec("Q5_0", GGMLType.Q5_0, 32, 22), legacy.dequantize_q5_0),
+    (QuantSpec("Q5_1", GGMLType.Q5_1, 32, 24), legacy.dequantize_q5_1),
+    (QuantSpec("Q8_0", GGMLType.Q8_0, 32, 34), legacy.dequantize_q8_0),
+    (QuantSpec("Q4_K", GGMLType.Q4_K, 256, 144), kquants.dequantize_q4_k),
+    (QuantSpec("Q5_K", GGMLType.Q5_K, 256, 176), kquants.dequantize_q5_k),
+    (QuantSpec("Q6_K", GGMLType.Q6_K, 256, 210), kquants.dequantize_q6_k),
+    (QuantSpec("IQ4_NL", GGMLType.IQ4_NL, 32, 18), iq4_nl.dequantize_iq4_nl),
+    (QuantSpec("BF16", GGMLType.BF16, 1, 2), floats.dequantize_bf16),
+    (QuantSpec("MXFP4", GGMLType.MXFP4, 32, 17), mxfp4.dequantize_mxfp4),
 )
 
 GGML_TYPES: dict[int, QuantSpec] = {spec.type_id: spec for spec, _ in _SERVED}

@@ -1,19 +1,16 @@
-"""Word-level pieces of the flat mat-vec (matvec_flat.py): quant bytes are loaded as int32 words and each
-field is made an exact float32 in place, without a shift or an int-to-float conversion.
+"""Word-tile pieces of the int8 decode mat-vecs (matvec_int8.py, matvec_pieces.py): quant bytes loaded as
+int32 words, 16 bytes a thread, and the program's rows, K split and split-K store.
 
-A field of `width` bits at bit S of a word (S + width <= 23) XORed into the bits of 2^(23 - S) is the
-float 2^(23 - S) + field: the field sits in the low mantissa bits, whose unit is 2^-S there. Subtracting
-2^(23 - S) + bias leaves field - bias, exactly. One LOP3 (mask and magic together) and one FADD per
-element; a signed byte also flips its top bit in the same LOP3 (the magic carries it), reading q + 128.
-Nibbles above bit 19 (and bytes above 15) are read from the word shifted right by 12 (16).
+Layout of a tile: [BLOCK_N, G, 4] int32 words, G groups of 4 words (16 bytes, one thread's vector load)
+along a row, split at once into 4 word tensors [BLOCK_N, G] (the 4 words are in one thread's registers).
+Pointers are built rows-first (`word_ptrs`) so that Triton's coalescing gives the lanes of a warp to the
+groups first, then to rows; or, FLAT, as one contiguous run per row (`row_runs`), which puts the lanes
+along the row.
 
-Layout of every tile: [BLOCK_N, G, 4] int32 words, G groups of 4 words (16 bytes, one thread's vector
-load) along a row, split at once into 4 word tensors [BLOCK_N, G] (the 4 words are in one thread's
-registers). Pointers are built rows-first (`word_ptrs`) so that Triton's coalescing gives the lanes of a
-warp to the groups first, then to rows: a thread holds one group for several rows. Byte t of a word is
-element e + t of some run, so the activations of a word are one [1, G, 4] vector load (`x_vec`), split the
-same way and broadcast over the rows: a thread's 4-element activation vector serves all its rows, and each
-(row, group) is one FMA chain over its words' fields, with no per-word reduction.
+`field` makes a field of a word an exact float32 in place, without a shift or an int-to-float conversion:
+a field of `width` bits at bit S (S + width <= 23) XORed into the bits of 2^(23 - S) is the float
+2^(23 - S) + field; subtracting 2^(23 - S) + bias leaves field - bias, exactly (one LOP3 and one FADD).
+A signed byte also flips its top bit in the same LOP3 (the magic carries it), reading q + 128.
 """
 
 import triton
@@ -38,36 +35,12 @@ def field(src, MASK: tl.constexpr, S: tl.constexpr, mag, BIAS: tl.constexpr):
 
 
 @triton.jit
-def nibble_magics(live):
-    """The magics of fields at bits 0, 4, 8, 12, 16."""
-    return (magic(0, live, False), magic(4, live, False), magic(8, live, False), magic(12, live, False),
-            magic(16, live, False))
-
-
-@triton.jit
-def nibble(w, w12, P: tl.constexpr, mags, BIAS: tl.constexpr):
-    """Nibble P (bits 4P .. 4P + 3) of each word minus BIAS; from P = 5 on it is read from w12 = w >> 12."""
-    if P <= 4:
-        v = field(w, 15, 4 * P, mags[P], BIAS)
-    else:
-        v = field(w12, 15, 4 * P - 12, mags[P - 3], BIAS)
-    return v
-
-
-@triton.jit
 def split4(v):
     """The 4 slices of v [A, B, 4] along its last axis, which is in-thread (no data moves): [A, B] each."""
     a, b = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 2, 2]))
     t0, t2 = tl.split(a)
     t1, t3 = tl.split(b)
     return t0, t1, t2, t3
-
-
-@triton.jit
-def x_vec(xrow, xk, OFF: tl.constexpr):
-    """Activations at xk + OFF, f32 [1, G, 4]: xk [G, 4] indexes the 4 bytes of a word, 4 consecutive
-    elements, so this is one vector load per thread; split4 gives the one of each byte, [1, G]."""
-    return tl.load(xrow + xk + OFF).to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -94,8 +67,7 @@ def program_rows(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE:
 
 @triton.jit
 def program_rows_at(pn, pk, N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, PER_TILE: tl.constexpr):
-    """program_rows of the program at (pn, pk) of a [row tiles, K splits] grid: a kernel that runs several
-    matrices in one launch (matvec_int8's pair kernel) maps its own program id there."""
+    """program_rows of the program at (pn, pk) of a [row tiles, K splits] grid."""
     rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     first = pk * blocks_per_split
     n_iter = (tl.minimum(first + blocks_per_split, n_blocks) - first) // PER_TILE
@@ -173,8 +145,7 @@ def block_planes(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr, WO
     FLAT: the quant pointers as [BLOCK_N, NB * WORDS] instead, each row's words of the tile one contiguous
     run. Triton's coalescing orders a load's axes by contiguity; the 3-D form's block and row axes tie at
     1, and Triton 3.6 gives the lanes of a warp to 16 rows first (16 cache lines per load instruction on
-    an H200, L1-bound), while the 2-D form's contiguity puts them along the row (docs/PERF.md, 2026-12-04,
-    fourth sitting)."""
+    an H200, L1-bound), while the 2-D form's contiguity puts them along the row."""
     g = tl.arange(0, NB)
     if FLAT:  # [BLOCK_N, NB * WORDS]: one contiguous run per row, so the lanes of a warp go along it
         qs = row_runs(base, o_q, r_q, r64, first * WORDS, NB * WORDS, tl.int32)
@@ -229,7 +200,7 @@ def q6_k_scales(sp, l4):
 
 @triton.jit
 def q4_k_scale_words(sp):
-    """The three 16-bit loads q4_k_scale_pairs decodes (sp: scale byte 2j of each group)."""
+    """The three 16-bit loads q4_k_scale_decode decodes (sp: scale byte 2j of each group)."""
     a = tl.load(sp.to(tl.pointer_type(tl.uint16))).to(tl.int32)  # sc[2j], sc[2j + 1]
     b = tl.load((sp + 4).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # m[2j], m[2j + 1]
     c = tl.load((sp + 8).to(tl.pointer_type(tl.uint16))).to(tl.int32)  # low four bits of the + 4 ones
@@ -238,16 +209,9 @@ def q4_k_scale_words(sp):
 
 @triton.jit
 def q4_k_scale_decode(a, b, c):
-    """q4_k_scale_pairs from the words q4_k_scale_words loaded."""
+    """Each group's scales and mins of its sub-blocks 2j, 2j + 1 (one in each byte of a 16-bit value, six
+    bits the caller masks) and 2j + 4, 2j + 5, from the words q4_k_scale_words loaded: sc, sc4, m, m4."""
     return a, (c & 0x0F0F) | ((a >> 2) & 0x3030), b, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)
-
-
-@triton.jit
-def q4_k_scale_pairs(sp):
-    """Q4_K's six-bit scales and mins of sub-blocks (2j, 2j + 1) and (2j + 4, 2j + 5), two to an int32
-    (bytes 0 and 1, six bits each): sp points at scale byte 2j of each group."""
-    a, b, c = q4_k_scale_words(sp)
-    return q4_k_scale_decode(a, b, c)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 add), rotary embedding, SiLU-mul.
 
 In torch each is a chain of 3-12 elementwise, reduce and index kernels of 1-3 us; on an 8B decode step
-they were ~600 launches and a third of the kernel time (docs/PERF.md, 2026-12-03). Each kernel here reads
+they were ~600 launches and a third of the kernel time. Each kernel here reads
 its inputs once and writes its output once, in f32 arithmetic.
 
 Torch references (the CPU path, and what these are tested against): engine/layers/norm.py RMSNorm
@@ -34,7 +34,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, s
     delta is written and normed (the residual stream); with Q8, y's q8_1 too (of y as stored, in y's type).
     Each program sums the squares of the whole row (the same sum in every program of the row) and writes
     only its slice, so a decode token's norm and quantization spread over N / SLICE programs (one program
-    quantizing a 4096-wide row alone took as long as a launch of its own, docs/PERF.md)."""
+    quantizing a 4096-wide row alone took as long as a launch of its own)."""
     pdl.let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)

@@ -1,12 +1,12 @@
 """y[M, N] = x[M, K] @ W[N, K]^T for a quantized W, dequantized tile by tile in registers.
 
 Two kernels share the per-type tile dequantizers (tiles_*.py):
-  matvec  M <= 8 (decode, speculative verify). Each program owns BLOCK_N rows and one K split; the weight
-          tile is read once and multiplied by all M activation rows in f32 (FMA + row sums). Split-K
-          partials go to a [SPLIT_K, M, N] f32 buffer summed afterwards in fixed order (no atomics: the
-          result is the same on every run).
-  gemm    M > 8 (prefill). Tiles of W are dequantized, cast to the operand type (bf16/fp16, or f32 with
-          IEEE products for exact checks) and fed to tl.dot with f32 accumulation.
+  tile_matvec  M <= 8: the `tiles` kernel of the decode mat-vec (matvec.py), any type and either layout.
+          Each program owns BLOCK_N rows and one K split; the weight tile is read once and multiplied by all
+          M activation rows in f32 (FMA + row sums). Split-K partials go to a [SPLIT_K, M, N] f32 buffer
+          summed afterwards in fixed order (no atomics: the result is the same on every run).
+  dequantize_dense  M > 8 (prefill, `dense_gemm`): W dequantized into a scratch buffer of x's type, then
+          the vendor GEMM (cuBLAS / hipBLAS).
 Torch reference: `reference_matmul` (dequantize with the torch references, then x @ W^T in f64/f32).
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegaserve.triton_kernels.dequant import dequantize, spec_for
+from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize, spec_for
 from vegaserve.triton_kernels.layout import PackedWeight, unpack_to_canonical
 from vegaserve.triton_kernels.tiles_legacy import (
     bf16_tile,
@@ -32,10 +32,7 @@ from vegaserve.triton_kernels.tiles_legacy import (
 from vegaserve.triton_kernels.tiles_kquants import q4_k_tile, q5_k_tile, q6_k_tile
 from vegaserve.triton_kernels.tiles_mxfp4 import mxfp4_tile
 
-# ggml type ids (triton_kernels/dequant.py)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16 = 0, 1, 2, 3, 6, 7, 8, 20, 30
-Q4_K, Q5_K, Q6_K, MXFP4 = 12, 13, 14, 39
-SUPPORTED = {F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16, Q4_K, Q5_K, Q6_K, MXFP4}
+SUPPORTED = frozenset(GGML_TYPES)  # every served type has a tile dequantizer (dequant_tile's ids)
 
 
 @triton.jit
@@ -112,42 +109,6 @@ def _matvec_kernel(
 
 
 @triton.jit
-def _gemm_kernel(
-    x_ptr, y_ptr, base,  # pointers: activations [M, K], output [M, N], weight bytes
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
-    M, N, K,  # sizes
-    stride_xm, stride_ym,  # strides
-    WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-    DOT_F32: tl.constexpr,  # f32 operands with IEEE products (exact checks); else bf16/fp16 as x is
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = rows_m < M
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    rows64 = tl.where(rmask, rows, 0).to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    n_blocks = K // QK
-    for b0_ in range(0, n_blocks, NB):
-        blk = b0_ + tl.arange(0, NB)
-        bmask = blk < n_blocks
-        w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask,
-                         tl.where(bmask, blk, 0), BLOCK_N, NB)
-        kk = tl.reshape(blk[:, None] * QK + tl.arange(0, QK)[None, :], [NB * QK])
-        kmask = tl.reshape(tl.broadcast_to(bmask[:, None], [NB, QK]), [NB * QK])
-        x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.where(kmask[None, :], w, 0.0)
-        if DOT_F32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    out = y_ptr + rows_m[:, None].to(tl.int64) * stride_ym + rows[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
-
-
-@triton.jit
 def _dequant_kernel(
     out_ptr, base,  # pointers: dense output [N, K] (bf16/fp16/f32), weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
@@ -199,31 +160,30 @@ def divisor_at_most(n: int, want: int) -> int:
     return d
 
 
-def matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1,
-           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def tile_matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1,
+                num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32."""
     M, K = x.shape
     if K != w.k or M > 8 or M < 1:
-        raise ValueError(f"matvec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+        raise ValueError(f"the tile mat-vec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
     if w.type_id not in SUPPORTED:
         raise ValueError(f"no Triton kernel for {w.type_name} yet")
     if block_n < 8:
-        # Triton 3.6 on an H200 returned wrong sums for BLOCK_N 2 and 4 (the interpreter was right);
-        # docs/PERF.md, 2026-12-02
-        raise ValueError(f"matvec block_n must be at least 8, got {block_n}")
+        # Triton 3.6 on an H200 returned wrong sums for BLOCK_N 2 and 4 (the interpreter was right)
+        raise ValueError(f"the tile mat-vec's block_n must be at least 8, got {block_n}")
     x = x.contiguous()
-    nb, per_split, split_k = matvec_tiles(w.type_id, K, nb, split_k)
+    nb, per_split, split_k = tile_split(w.type_id, K, nb, split_k)
     part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.n, block_n), split_k)
     _matvec_kernel[grid](
         x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
-        **matvec_constexprs(w.type_id, M, block_n, nb), num_warps=num_warps, num_stages=num_stages,
+        **tile_constexprs(w.type_id, M, block_n, nb), num_warps=num_warps, num_stages=num_stages,
     )
     return part[0] if split_k == 1 else part.sum(0)
 
 
-def matvec_tiles(type_id: int, k: int, nb: int, split_k: int) -> tuple[int, int, int]:
-    """matvec's K split of rows of k: (blocks a tile, blocks a split, splits). nb counts 32-element units
+def tile_split(type_id: int, k: int, nb: int, split_k: int) -> tuple[int, int, int]:
+    """A mat-vec's K split of rows of k: (blocks a tile, blocks a split, splits). nb counts 32-element units
     (one super-block for the K-quants; float weights tile max(32 nb, 64) elements); a tile divides the
     row's blocks and a split holds whole tiles."""
     qk = _qk(type_id)
@@ -236,34 +196,9 @@ def matvec_tiles(type_id: int, k: int, nb: int, split_k: int) -> tuple[int, int,
     return nb, per_split, -(-n_blocks // per_split)
 
 
-def matvec_constexprs(type_id: int, m: int, block_n: int, nb: int) -> dict[str, int]:
-    """_matvec_kernel's meta-parameters for m activation rows and tiles of nb blocks (matvec_tiles)."""
+def tile_constexprs(type_id: int, m: int, block_n: int, nb: int) -> dict[str, int]:
+    """_matvec_kernel's meta-parameters for m activation rows and tiles of nb blocks (tile_split)."""
     return dict(WTYPE=type_id, QK=_qk(type_id), M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK_N=block_n, NB=nb)
-
-
-def gemm(x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype | None = None, block_m: int = 64,
-         block_n: int = 64, nb: int = 2, dot_f32: bool | None = None, num_warps: int = 4,
-         num_stages: int = 2) -> torch.Tensor:
-    """x [M, K] -> y [M, N]; bf16/fp16 x runs tl.dot on that type, f32 x on IEEE f32 products."""
-    M, K = x.shape
-    if K != w.k:
-        raise ValueError(f"gemm: x has K={K}, the weight {w.k}")
-    if w.type_id not in SUPPORTED:
-        raise ValueError(f"no Triton kernel for {w.type_name} yet")
-    x = x.contiguous()
-    qk = _qk(w.type_id)
-    if qk == 1:
-        nb = max(nb * 32, 64)
-    nb = max(1, nb * 32 // qk) if qk > 32 else nb  # one 256-wide super-block per tile for K-quants
-    dot_f32 = x.dtype == torch.float32 if dot_f32 is None else dot_f32
-    y = torch.empty(M, w.n, dtype=out_dtype or (torch.float32 if dot_f32 else x.dtype), device=x.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(w.n, block_n))
-    _gemm_kernel[grid](
-        x, y, w.data, *w.field_args(), M, w.n, K, x.stride(0), y.stride(0),
-        WTYPE=w.type_id, QK=qk, BLOCK_M=block_m, BLOCK_N=block_n, NB=nb, DOT_F32=dot_f32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return y
 
 
 def reference_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -1,12 +1,11 @@
-"""Decode mat-vec for 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
+"""The `lanes` decode mat-vec: 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
 operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W Q4_K, Q6_K or a 32-element
 type with one scale a block, Q8_0, Q4_0, IQ4_NL or MXFP4 (lanes_kernel, one loop for all of them, with a
 type's loads and products beside it).
 
-Why lanes. At 8 rows of x the dp4a kernels of matvec_int8 issue about 8 dp4a and 2 activation loads per
-4 bytes of weight in every lane, which kept them at 2.4-3.2x their one-row time on the H200 (docs/PERF.md),
-and the tl.dot kernel there (mma 1) spends its time moving codes and activations into the dot's operand
-layout through shared memory (27 barriers a super-block). One mma.sync m16n8k32 (int8, int32 accumulate)
+Why lanes. At 8 rows of x the dp4a kernels (matvec_int8.py) issue about 8 dp4a and 2 activation loads per
+4 bytes of weight in every lane, and a tl.dot kernel spends its time moving codes and activations into the
+dot's operand layout through shared memory. One mma.sync m16n8k32 (int8, int32 accumulate)
 multiplies 16 weight rows by 32 elements of 8 activation rows, exactly the shape of a decode step of up
 to 8 sequences; each lane holds 4 words of A (16 int8 of 2 rows), 2 of B (8 int8 of 1 row of x) and gets
 4 int32 of the result. Here every tensor is one value per lane (`lanes`: [32 W], lane i % 32 of warp
@@ -19,8 +18,7 @@ Q4_K: each lane holds 8 bytes of each 32-byte chunk of a row, k 4t+i standing fo
 the same place of the sub-block, one 8-byte load. Which 8 bytes: a warp instruction over 8 rows costs a
 cache line a row, so each lane loads 16 bytes (16t of each 64-byte half of the row's quants) and lanes t, t
 ^ 2 swap half of them (mma_lanes.exchange_halves: a shuffle and two selects a word pair), 8 lines for 512
-bytes instead of 8 for 256 (measured 4-7% faster at M=8 than 8-byte loads; the lines were not what holds the
-kernel back, its few warps waiting on loads are: docs/PERF.md, eighth sitting). A chunk's low nibbles are
+bytes instead of 8 for 256 (measured 4-7% faster at M=8 than 8-byte loads). A chunk's low nibbles are
 sub-block 2c and its high nibbles sub-block 2c + 1, so the same words give that row's A words of both
 sub-blocks, one mask (and one shift) each.
 
@@ -41,12 +39,18 @@ matrix units). Torch reference: matvec_int8.reference_matvec_q8_1.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.flat_words import q4_k_scale_min
-from vegaserve.triton_kernels.int8_ops import lookup16, minus_32, pairs_order
+from vegaserve.triton_kernels.int8_ops import PTX_DP4A, lookup16, minus_32, pairs_order
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matvec_int8 import TYPES as INT8_TYPES
+from vegaserve.triton_kernels.matvec_int8 import dot_kind, matvec_int8, type_args
+from vegaserve.triton_kernels.matvec_launch import plan, unique
 from vegaserve.triton_kernels.mma_lanes import (
     byte_words,
     exchange_halves,
@@ -61,6 +65,7 @@ from vegaserve.triton_kernels.mma_lanes import (
     store_lanes,
     zero_acc,
 )
+from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 @triton.jit
@@ -136,8 +141,7 @@ def _q4_k_half_products(quants, heads, acc, e: tl.constexpr, xp, xo, lo, xlive, 
 def _legacy_rows_tile(dp, qp, NB: tl.constexpr, WORDS: tl.constexpr, E8M0: tl.constexpr, FIRST: tl.constexpr = 0):
     """One lane's loads of NB blocks of one row from block FIRST of the tile on: the quant bytes (WORDS 8: 8
     bytes at 8t of each block's 32; 4: 4 bytes at 4t of its 16) and the NB scales in as few loads as their
-    bytes allow. (Q8_0 in 16-byte loads and exchange_halves, as Q4_K, measured slower: docs/PERF.md, eighth
-    sitting.)"""
+    bytes allow. (Q8_0 in 16-byte loads and exchange_halves, as Q4_K, measured slower.)"""
     SIZE: tl.constexpr = 1 if E8M0 else 2
     q = ()
     for b in tl.static_range(FIRST, FIRST + NB):
@@ -284,95 +288,6 @@ def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.cons
     return new
 
 
-@triton.jit
-def _half_loads(ptrs, e: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr,
-                E8M0: tl.constexpr, DOT: tl.constexpr):
-    """Half e of a tile, for each of the lane's 2R rows: Q4_K the 16-byte load of quant bytes 64e..; Q6_K
-    half e of the super-block (_q6_k_rows_tile: ql, qh, scales, d); the 32-element types blocks e NB/2 ..
-    (NB / 2 of them: _legacy_rows_tile)."""
-    out = ()
-    for j in tl.static_range(2 * R):
-        p = ptrs[j]
-        if KIND == 1:
-            out = out + (load16(p[1] + 64 * e, DOT),)
-        elif KIND == 2:
-            out = out + (_q6_k_rows_tile(p[0], p[1], p[2], p[3], e, 1),)
-        else:
-            out = out + (_legacy_rows_tile(p[0], p[1], NB // 2, WORDS, E8M0, e * (NB // 2)),)
-    return out
-
-
-@triton.jit
-def _tile_loads(ptrs, R: tl.constexpr, KIND: tl.constexpr, DOT: tl.constexpr):
-    """What both halves of a tile use, for each of the lane's 2R rows: Q4_K its head records; the others
-    nothing (Q6_K's d comes with each half)."""
-    out = ()
-    if KIND == 1:
-        for j in tl.static_range(2 * R):
-            out = out + (load16(ptrs[j][0], DOT),)
-    return out
-
-
-@triton.jit
-def _half_products(half, shared, acc, e: tl.constexpr, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr,
-                   W: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr,
-                   E8M0: tl.constexpr, DOT: tl.constexpr):
-    """The products of half e of a tile from _half_loads' and _tile_loads' registers."""
-    if KIND == 1:
-        acc = _q4_k_half_products(half, shared, acc, e, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
-    elif KIND == 2:
-        acc = _q6_k_products(half, acc, xp, xlive, dxp, clive, R, W, DOT, e, 1)
-    else:
-        acc = _legacy_products(half, acc, xp, xlive, dxp, sxp, clive, R, W, NB // 2, WORDS, TABLE, E8M0, DOT,
-                               e * (NB // 2))
-    return acc
-
-
-@triton.jit
-def _pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
-               KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr,
-               DOT: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr, PER: tl.constexpr):
-    """The loop with the weight loads issued ahead of the products that wait for them, a tile in two halves.
-    With CARRY the next tile's loads are issued after the whole tile's products (ptxas leaves them at the
-    end of the loop: docs/PERF.md, tenth sitting), so each iteration waits for memory with nothing of its
-    own to compute. PIPE 1: a tile's second half is issued before its first half's products, the next
-    tile's first half (and Q4_K's head records) before its second half's (for Q4_K at 64 rows on 2 warps,
-    ptxas of Triton 3.6 moves the latter down to the last two mma: 130 registers against carry's 128).
-    PIPE 2: all of them before the first half's products, a whole tile of products covering them, for a
-    tile's registers more (Q4_K: 168). The products are carry's, in the same order."""
-    lo = t < 2
-    xo = pair_offsets(t)
-    shared = _tile_loads(ptrs, R, KIND, DOT)
-    first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
-    for it in range(0, n_iter):
-        second = _half_loads(ptrs, 1, R, KIND, NB, WORDS, E8M0, DOT)
-        more = it + 1 < n_iter  # after the last tile the extra loads read it again
-        moved = ()
-        for j in tl.static_range(2 * R):
-            row = ()
-            for p in tl.static_range(len(steps)):
-                row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
-            moved = moved + (row,)
-        ptrs = moved
-        if PIPE == 2:  # the next tile's first half and shared loads issued here too
-            next_shared = _tile_loads(ptrs, R, KIND, DOT)
-            next_first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
-        pdl.wait_for_inputs(PDL)  # the first loads are in flight (a no-op after the first)
-        acc = _half_products(first, shared, acc, 0, xp, xo, lo, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS, TABLE,
-                             E8M0, DOT)
-        if PIPE == 1:
-            next_shared = _tile_loads(ptrs, R, KIND, DOT)
-            next_first = _half_loads(ptrs, 0, R, KIND, NB, WORDS, E8M0, DOT)
-        acc = _half_products(second, shared, acc, 1, xp, xo, lo, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS,
-                             TABLE, E8M0, DOT)
-        shared = next_shared
-        first = next_first
-        xp += PER
-        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
-        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
-    return acc
-
-
 Q4_K_LANES, Q6_K_LANES, BLOCK_LANES = 1, 2, 0  # lanes_kernel's KIND
 
 
@@ -425,14 +340,14 @@ def lanes_kernel(
     N, K, blocks_per_split,  # blocks of the type (super-blocks of 256 for the K-quants)
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
-    TABLE: tl.constexpr, E8M0: tl.constexpr, PIPE: tl.constexpr = 0,
+    TABLE: tl.constexpr, E8M0: tl.constexpr,
 ):
     """1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp). KIND 1:
     Q4_K (fields dm, scales as one head record, qs), one super-block an iteration; 2: Q6_K (ql, qh,
     scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
     nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
     DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
-    before this one's products. PIPE 1 or 2: _pipelined's loop instead."""
+    before this one's products."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
     QK: tl.constexpr = 32 if KIND == 0 else 256
@@ -454,38 +369,95 @@ def lanes_kernel(
     dxp = (dx_ptr + v0, dx_ptr + v1)
     sxp = (sx_ptr + v0, sx_ptr + v1)
     acc = zero_acc(R, W)
-    if PIPE:
-        tl.static_assert(KIND != 0 or NB >= 4, "PIPE: a tile of 4 blocks or more (2 a half, read in pairs)")
-        acc = _pipelined(ptrs, steps, n_iter, acc, xp, t, xlive, dxp, sxp, clive, R, W, KIND, NB, WORDS, TABLE, E8M0,
-                         DOT, PDL, PIPE, PER)
-    else:
-        if CARRY:
+    if CARRY:
+        tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
+    for it in range(0, n_iter):
+        if not CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
-        for it in range(0, n_iter):
-            if not CARRY:
-                tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
-            pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
-            more = it + 1 < n_iter
-            moved = ()
-            for j in tl.static_range(2 * R):
-                row = ()
-                for p in tl.static_range(len(steps)):
-                    if CARRY:  # after the last tile the extra loads read it again instead of past the split
-                        row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
-                    else:
-                        row = row + (ptrs[j][p] + steps[p],)
-                moved = moved + (row,)
-            ptrs = moved
-            if KIND == 1:
-                acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
-            elif KIND == 2:
-                acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
-            else:
-                acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
-            xp += PER
-            dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
-            sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
-            if CARRY:
-                tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
+        pdl.wait_for_inputs(PDL)  # the first weight loads are in flight (a no-op after the first)
+        more = it + 1 < n_iter
+        moved = ()
+        for j in tl.static_range(2 * R):
+            row = ()
+            for p in tl.static_range(len(steps)):
+                if CARRY:  # after the last tile the extra loads read it again instead of past the split
+                    row = row + (ptrs[j][p] + tl.where(more, steps[p], 0),)
+                else:
+                    row = row + (ptrs[j][p] + steps[p],)
+            moved = moved + (row,)
+        ptrs = moved
+        if KIND == 1:
+            acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
+        elif KIND == 2:
+            acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
+        else:
+            acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+        xp += PER
+        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
+        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
+        if CARRY:
+            tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
+
+
+TYPES = INT8_TYPES
+_KIND = {T.Q4_K: Q4_K_LANES, T.Q6_K: Q6_K_LANES}
+
+
+def has_matrix_units(device: torch.device) -> bool:
+    """Whether the lanes kernel runs on `device`: an NVIDIA GPU of sm_80 or later."""
+    return (device.type == "cuda" and not torch.version.hip
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def candidates(type_id: int, n: int, k: int, sm_count: int) -> list[dict[str, int]]:
+    """The launch configs a sweep times: 2 groups of 16 rows a warp on 1, 2 or 4 warps, 1 on 4 (8 warps lost
+    everywhere on the H200); the 32-element types with 4 and 8 blocks a tile (the K-quants: a super-block
+    an iteration, nb 8); the smallest power-of-two split-K that gives two programs an SM, with at least two
+    tiles a split, and twice that."""
+    qk = 256 if type_id in (T.Q4_K, T.Q6_K) else 32
+    out = []
+    for block_n, warps in ((32, 1), (64, 2), (64, 4), (128, 4)):
+        for nb in (8,) if qk == 256 else (4, 8):
+            tiles = k // qk // max(1, nb * 32 // qk)
+            split = 1
+            while -(-n // block_n) * split < 2 * sm_count and tiles // (2 * split) >= 2:
+                split *= 2
+            out += [{"block_n": block_n, "num_warps": warps, "nb": nb, "split_k": s, "carry": 1}
+                    for s in sorted({split, split * 2 if tiles // (2 * split) >= 2 else split})]
+    return unique(out)
+
+
+def kernel_args(type_id: int, num_warps: int) -> dict[str, int]:
+    """lanes_kernel's constexprs for a type (benchmarks/kernel_resources.py compiles the same)."""
+    return {"WORDS": 4, "TABLE": 0, "E8M0": False, **type_args(type_id), "W": num_warps,
+            "KIND": _KIND.get(type_id, BLOCK_LANES)}
+
+
+def matvec_lanes(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] -> y [M, N] f32 as matvec_int8.matvec_int8; block_n a multiple of 16 x num_warps. The
+    32-element types read a tile's q8_1 scales in pairs: a tile of one block (nb 1, or a row of an odd
+    number of blocks) runs the int8 kernel with the same launch."""
+    if w.type_id not in TYPES:
+        raise ValueError(f"the lanes mat-vec has no kernel for {w.type_name}")
+    if torch.version.hip or (dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device)):
+        raise ValueError("the lanes mat-vec takes mma.sync m16n8k32 (int8): NVIDIA sm_80 and later")
+    launch = plan("lanes", x, w, params)
+    lanes_rows = 16 * params["num_warps"]
+    if params["block_n"] % lanes_rows:
+        raise ValueError(f"the lanes mat-vec takes block_n a multiple of 16 x num_warps ({lanes_rows}); got "
+                         f"{params['block_n']}")
+    if w.type_id not in (T.Q4_K, T.Q6_K) and launch.per_tile == 1:
+        return matvec_int8(x, w, params, q8_1, out)
+    M, K = x.shape
+    q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
+    part, y, counts = launch.outputs(M, w.n, x.device, out)
+    lanes_kernel[launch.grid(w.n)](
+        q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split,
+        M=M, BLOCK_N=params["block_n"], NB=launch.per_tile, SPLIT=launch.split, DOT=dot_kind(x.device),
+        CARRY=params.get("carry", 1), **kernel_args(w.type_id, params["num_warps"]),
+        num_warps=params["num_warps"], num_stages=1, **pdl.launch_args(x.device),
+    )
+    return y

@@ -1,29 +1,25 @@
-"""The K-quants' one-row decode mat-vecs with each row's loads along it (the `pieces` kernels of
-matvec_int8, which chooses and launches them): y[1, N] = x[1, K] @ W[N, K]^T, x in q8_1, W Q4_K or Q6_K
-repacked (layout.py), four products a dp4a (int8_ops.dot4).
+"""The `pieces` decode mat-vec: the K-quants with each row's loads along it, y[M, N] = x[M, K] @ W[N, K]^T, x in
+q8_1, W Q4_K or Q6_K repacked (layout.py), four products a dp4a (int8_ops.dot4). The fastest one-row
+kernel for these types on the H200 (docs/PERFORMANCE.md).
 
 The unit is a 16-byte piece of a row's quant plane. Q4_K: piece p = 8 sb + 2c + h is half h of 32-byte chunk
 c of super-block sb, whose low nibbles are sub-block 2c and high nibbles 2c + 1; its scales and mins come
 from the super-block's 16-byte head record (d, dmin, 12 scale bytes: layout.HEAD). Q6_K: piece p = 8 sb +
 4h + u holds ql bytes 64h + 16u .., its two high bits from the qh run it shares with another piece. Each
 row's pieces of a tile are one contiguous load, so the lanes of a warp go along the row (Triton 3.6 lays
-[rows, blocks, 4] loads across 16 rows, which kept the earlier kernels L1-bound: docs/PERF.md, fourth
-sitting). The activations of a tile are the same for every row: loaded as runs and rearranged into the
-pieces' order (gather 0), or each where a thread uses it at computed offsets (gather 1: in Triton 3.6's
-SASS no shared-memory round left in the loop of Q4_K's 16- and 32-row tiles or Q6_K's 8-row ones; Q6_K's
-16-row tiles keep theirs. Offline only, not timed: docs/PERF.md, tenth sitting).
-
-Each kernel's work is a function of its place in its grid (`q4_k_pieces`, `q6_k_pieces` at (pn, pk)), so
-`pieces_pair_kernel` runs a layer's two matrices of different types (Q4_K q/k and Q6_K v) in one launch.
+[rows, blocks, 4] loads across 16 rows, 16 cache lines an instruction). The activations of a tile are the
+same for every row: loaded as runs and rearranged into the pieces' order.
 Torch reference: matvec_int8.reference_matvec_q8_1.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.flat_words import (
     field,
     magic,
@@ -34,39 +30,27 @@ from vegaserve.triton_kernels.flat_words import (
     zero_rows,
 )
 from vegaserve.triton_kernels.int8_ops import advance, low_high_sums, minus_32
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matvec_int8 import dot_kind
+from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
+from vegaserve.triton_kernels.matvec_launch import plan, unique
+from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 
 
 @triton.jit
-def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr):
+def _q4_k_piece_tile(qs, hd, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """Loads of one Q4_K tile, each a contiguous run per row (so the lanes of a warp go along the row): the
     quant words as [BLOCK_N, 8 NB, 4] (16-byte piece p = 8 sb + 2c + h: half h of 32-byte chunk c of
     super-block sb) and the four words of each super-block's head record (dm, the 12 scale bytes) as
-    dm, a, b, c [BLOCK_N, NB]: GATHER 0 from a run of the row's records (hd [BLOCK_N, 4 NB]), split in
-    registers through shared memory (the run's words lie across lanes); 1 one load a word (hd [BLOCK_N,
-    NB], each record's first word), each where it is used."""
+    dm, a, b, c [BLOCK_N, NB], from a run of the row's records (hd [BLOCK_N, 4 NB])."""
     q = tl.reshape(tl.load(qs), [BLOCK_N, NB * 8, 4])
-    if GATHER:
-        dm, a, b, c = tl.load(hd), tl.load(hd + 1), tl.load(hd + 2), tl.load(hd + 3)
-    else:
-        dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
+    dm, a, b, c = split4(tl.reshape(tl.load(hd), [BLOCK_N, NB, 4]))
     return q, dm, a, b, c
 
 
 @triton.jit
-def _words_at(xrow, word, HIGH: tl.constexpr):
-    """gather 1's activation words: the four at `word` of each piece ([8 NB], its first word) and the four
-    HIGH words on, those its low and its high nibbles multiply, as 4 [1, 8 NB] each."""
-    low = ()
-    high = ()
-    for w in tl.static_range(4):
-        low = low + (tl.load(xrow + word + w)[None, :],)
-        high = high + (tl.load(xrow + word + HIGH + w)[None, :],)
-    return low, high
-
-
-@triton.jit
 def _run_words(xrow, w0, NB: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
-    """gather 0's activation words: the tile's run of x, word (sb, a, k, b, w) of [NB, A, 2, B, 4] (k 0 the
+    """The activation words of a tile: its run of x, word (sb, a, k, b, w) of [NB, A, 2, B, 4] (k 0 the
     low nibbles', 1 the high nibbles'), split by k and put in piece order (sb, a, b) as 4 [1, 8 NB] each."""
     xt = tl.permute(tl.reshape(tl.load(xrow + w0 + tl.arange(0, NB * 64)), (NB, A, 2, B, 4)), (0, 1, 3, 4, 2))
     xl, xh = tl.split(xt)  # [NB, A, B, w]
@@ -74,29 +58,19 @@ def _run_words(xrow, w0, NB: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
+def _q4_k_piece_acts(xrow, dxrow, sxrow, w0, b0, NB: tl.constexpr):
     """One row of x for a pieces tile: the int32 words the low and the high nibbles of each piece multiply
-    (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]). GATHER 0: from
-    contiguous loads, rearranged (through shared memory: Triton converts the permuted tensors' layout);
-    1: each loaded where it is used, at its own offsets (tensors of 8 NB elements, which Triton 3.6's layout
-    pass re-materialised in the products' layout instead of converting, for the 8B model's entries
-    compiled offline)."""
+    (4 [1, 8 NB] each) and the q8_1 scales and sums of their sub-blocks ([1, 8 NB]), from contiguous
+    loads rearranged (through shared memory: Triton converts the permuted tensors' layout)."""
     # word sb * 64 + c * 16 + k * 8 + h * 4 + w (k = 0: the low nibbles' sub-block 2c, 1: the high's 2c + 1)
-    if GATHER:
-        p = tl.arange(0, NB * 8)
-        xl, xh = _words_at(xrow, w0 + (p // 8) * 64 + ((p % 8) // 2) * 16 + (p % 2) * 4, 8)
-        blk = b0 + (p // 8) * 8 + ((p % 8) // 2) * 2  # block sb * 8 + 2c, and + 1
-        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 1)[None, :]
-        sl, sh = tl.load(sxrow + blk)[None, :], tl.load(sxrow + blk + 1)[None, :]
-    else:
-        xl, xh = _run_words(xrow, w0, NB, 4, 2)  # (sb, c, k, h, w)
-        dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
-        sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
-        # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
-        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
-        sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
-        sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
+    xl, xh = _run_words(xrow, w0, NB, 4, 2)  # (sb, c, k, h, w)
+    dl, dh = tl.split(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))  # block sb * 8 + 2c + k
+    sl, sh = tl.split(tl.reshape(tl.load(sxrow + b0 + tl.arange(0, NB * 8)), (NB, 4, 2)))
+    # the same sub-block values for both halves of a chunk: piece 8 sb + 2c + h
+    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+    sl = tl.reshape(tl.join(sl, sl), (1, NB * 8))
+    sh = tl.reshape(tl.join(sh, sh), (1, NB * 8))
     return xl, xh, dl, dh, sl, sh
 
 
@@ -127,7 +101,7 @@ def _q4_k_piece_scales(a, b, c, pp, UNPACK: tl.constexpr):
 
 @triton.jit
 def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
     """A pieces tile's products: each piece's low nibbles (sub-block 2c) and high nibbles (2c + 1) against
     their activations, scaled per sub-block; the min term (whole sub-blocks) on the first half's piece.
     UNPACK 1: the scales as _q4_k_piece_scales' UNPACK 1, and every int-to-float conversion an exact
@@ -159,7 +133,7 @@ def _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, b0, K, mags, M: tl.c
     new = ()
     for m in tl.static_range(M):
         xl, xh, dl, dh, sl, sh = _q4_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32),
-                                                  sx_ptr + m * (K // 32), w0, b0, NB, GATHER)
+                                                  sx_ptr + m * (K // 32), w0, b0, NB)
         s_lo, s_hi = low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi - mn_lo * sl - mn_hi * sh,)
     return new
@@ -171,48 +145,43 @@ def q4_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
 ):
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
     _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK, GATHER)
+                 UNPACK)
 
 
 @triton.jit
 def _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
                  blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
-    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at); GATHER: _q4_k_piece_tile's
-    and _q4_k_piece_acts'."""
+                 UNPACK: tl.constexpr):
+    """The pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
     mags = (magic(0, N > 0, False), magic(8, N > 0, False))
     rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
     qs = row_runs(base, o2, r2, r64, first * 32, NB * 32, tl.int32)
-    if GATHER:  # each record's first word
-        hd = (base + o0 + r64[:, None] * r0).to(tl.pointer_type(tl.int32)) + (first + tl.arange(0, NB))[None, :] * 4
-    else:
-        hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
+    hd = row_runs(base, o0, r0, r64, first * 4, NB * 4, tl.int32)
     w0 = first * 64  # the tile's first activation word and q8_1 block
     bx = first * 8
     acc = zero_rows(M, BLOCK_N, NB * 8)
     if CARRY:
-        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
+        tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += advance(more, NB * 32, CARRY)
         hd += advance(more, NB * 4, CARRY)
-        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK,
-                               GATHER)
+        acc = _q4_k_piece_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, w0, bx, K, mags, M, BLOCK_N, NB, DOT, UNPACK)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
-            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB, GATHER)  # the next tile's loads
+            tile = _q4_k_piece_tile(qs, hd, BLOCK_N, NB)  # the next tile's loads
     pdl.wait_for_inputs(PDL)
     store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
 
@@ -233,29 +202,22 @@ def _q6_k_piece_tile(ql_p, qh_p, sp, dp, BLOCK_N: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
-def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr, GATHER: tl.constexpr):
+def _q6_k_piece_acts(xrow, dxrow, w0, b0, NB: tl.constexpr):
     """One row of x for a Q6_K pieces tile: the words the low nibbles (elements 128h + 16u ..) and the high
-    nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their q8_1 scales [1, 8 NB]; GATHER as
-    _q4_k_piece_acts'."""
+    nibbles (+ 64) of each piece multiply, 4 [1, 8 NB] each, and their q8_1 scales [1, 8 NB]."""
     # word sb * 64 + 32h + 16k + 4u + w (k = 0: low nibbles, 1: high)
-    if GATHER:
-        p = tl.arange(0, NB * 8)  # piece 8 sb + 4h + u
-        xl, xh = _words_at(xrow, w0 + (p // 8) * 64 + ((p % 8) // 4) * 32 + (p % 4) * 4, 16)
-        blk = b0 + (p // 8) * 8 + ((p % 8) // 4) * 4 + (p % 4) // 2  # block sb * 8 + 4h + u // 2, and + 2
-        dl, dh = tl.load(dxrow + blk)[None, :], tl.load(dxrow + blk + 2)[None, :]
-    else:
-        xl, xh = _run_words(xrow, w0, NB, 2, 4)  # (sb, h, k, u, w)
-        # q8_1 block sb * 8 + 4h + 2k + u // 2
-        v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
-        dl, dh = tl.split(v)  # [NB, h, u // 2]
-        dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
-        dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
+    xl, xh = _run_words(xrow, w0, NB, 2, 4)  # (sb, h, k, u, w)
+    # q8_1 block sb * 8 + 4h + 2k + u // 2
+    v = tl.permute(tl.reshape(tl.load(dxrow + b0 + tl.arange(0, NB * 8)), (NB, 2, 2, 2)), (0, 1, 3, 2))
+    dl, dh = tl.split(v)  # [NB, h, u // 2]
+    dl = tl.reshape(tl.join(dl, dl), (1, NB * 8))
+    dh = tl.reshape(tl.join(dh, dh), (1, NB * 8))
     return xl, xh, dl, dh
 
 
 @triton.jit
 def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr):
+                     NB: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
     """A Q6_K pieces tile's products: each piece's 16 low-nibble codes (sub-block 8h + u) and 16
     high-nibble codes (8h + 4 + u), their two high bits from qh bits 2 (u // 2) and 4 + 2 (u // 2).
     UNPACK 1: the signed scale bytes and the integer sums made floats by exact adds (flat_words.field with
@@ -284,7 +246,7 @@ def _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, b0, K, smag, M: tl.constexpr
         hi = hi + (minus_32(((lq[i] >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)),)
     new = ()
     for m in tl.static_range(M):
-        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB, GATHER)
+        xl, xh, dl, dh = _q6_k_piece_acts(xq_ptr + m * (K // 4), dx_ptr + m * (K // 32), w0, b0, NB)
         s_lo, s_hi = low_high_sums(lo, hi, xl, xh, BLOCK_N, P, DOT, UNPACK)
         new = new + (acc[m] + sc_lo * dl * s_lo + sc_hi * dh * s_hi,)
     return new
@@ -296,20 +258,20 @@ def q6_k_pieces_kernel(
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, GATHER: tl.constexpr = 0,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
 ):
     """Q6_K with the lanes along each row (as q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
     _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
-                 UNPACK, GATHER)
+                 UNPACK)
 
 
 @triton.jit
 def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
                  blocks_per_split, pn, pk, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr,
-                 UNPACK: tl.constexpr, GATHER: tl.constexpr):
+                 UNPACK: tl.constexpr):
     """The Q6_K pieces kernel's work at (pn, pk) of its grid (flat_words.program_rows_at)."""
     smag = magic(0, N > 0, True)
     rows, r64, first, n_iter = program_rows_at(pn, pk, N, blocks_per_split, K // 256, BLOCK_N, NB)
@@ -331,7 +293,7 @@ def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1,
         qh_p += advance(more, NB * 16, CARRY)
         sp += advance(more, NB * 4, CARRY)
         dp += advance(more, NB, CARRY)
-        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK, GATHER)
+        acc = _q6_k_piece_dots(tile, acc, xq_ptr, dx_ptr, w0, bx, K, smag, M, BLOCK_N, NB, DOT, UNPACK)
         w0 += NB * 64
         bx += NB * 8
         if CARRY:
@@ -340,45 +302,35 @@ def _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1,
     store_rows_at(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT, pn, pk)
 
 
-@triton.jit
-def _pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-            blocks_per_split, pn, pk, KIND: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-            SPLIT: tl.constexpr, DOT: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
-            GATHER: tl.constexpr):
-    """One row of x times a K-quant matrix at (pn, pk) of its pieces grid: KIND 12 Q4_K, 14 Q6_K."""
-    if KIND == 12:
-        _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
-    else:
-        _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
-                     blocks_per_split, pn, pk, 1, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL, UNPACK, GATHER)
+_KERNELS = {T.Q4_K: q4_k_pieces_kernel, T.Q6_K: q6_k_pieces_kernel}
+TYPES = frozenset(_KERNELS)
 
 
-@triton.jit
-def pieces_pair_kernel(
-    xq_ptr, dx_ptr, sx_ptr, K,
-    base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a, per_split_a,
-    base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b, per_split_b,
-    KIND_A: tl.constexpr, BLOCK_N_A: tl.constexpr, NB_A: tl.constexpr, SPLIT_A: tl.constexpr,
-    CARRY_A: tl.constexpr, UNPACK_A: tl.constexpr, GATHER_A: tl.constexpr,
-    KIND_B: tl.constexpr, BLOCK_N_B: tl.constexpr, NB_B: tl.constexpr, SPLIT_B: tl.constexpr,
-    CARRY_B: tl.constexpr, UNPACK_B: tl.constexpr, GATHER_B: tl.constexpr,
-    DOT: tl.constexpr, PDL: tl.constexpr,
-):
-    """One row of x times two K-quant matrices of different types in one launch (matvec_int8_pair): the
-    first tiles(a) x SPLIT_A programs are matrix a's pieces grid in its launch order (row tiles first),
-    the rest matrix b's. Each matrix keeps its own launch parameters; the kernel holds the registers of the
-    larger of the two or more (offline for the 8B model's q/k and v: 90, against 80 and 48 launched apart)."""
-    pdl.let_next_start(PDL)
-    pid = tl.program_id(0)
-    tiles_a = tl.cdiv(N_a, BLOCK_N_A)
-    if pid < tiles_a * SPLIT_A:
-        _pieces(xq_ptr, dx_ptr, sx_ptr, base_a, part_a, out_a, count_a, a0, ar0, a1, ar1, a2, ar2, a3, ar3, N_a,
-                K, per_split_a, pid % tiles_a, pid // tiles_a, KIND_A, BLOCK_N_A, NB_A, SPLIT_A, DOT, CARRY_A,
-                PDL, UNPACK_A, GATHER_A)
-    else:
-        q = pid - tiles_a * SPLIT_A
-        tiles_b = tl.cdiv(N_b, BLOCK_N_B)
-        _pieces(xq_ptr, dx_ptr, sx_ptr, base_b, part_b, out_b, count_b, b0, br0, b1, br1, b2, br2, b3, br3, N_b,
-                K, per_split_b, q % tiles_b, q // tiles_b, KIND_B, BLOCK_N_B, NB_B, SPLIT_B, DOT, CARRY_B, PDL,
-                UNPACK_B, GATHER_B)
+def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict[str, int]]:
+    """The launch configs a sweep times at one row: the rule's tile candidates (matvec_launch), each with
+    carry 1 and 0, unpack 0 and 1, and 8 and 32 rows a program beside the rule's (the H200's best was
+    often fewer rows than the groups kernel's: Q6_K 8). None above one row."""
+    if m != 1:
+        return []
+    return unique([{**c, "carry": carry, "block_n": bn, "unpack": unpack}
+                   for c in launch_candidates(type_id, n, k, m, sm_count) for carry in (1, 0)
+                   for bn in sorted({c["block_n"], 8, 32}) for unpack in (0, 1)])
+
+
+def matvec_pieces(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] -> y [M, N] f32 as matvec_int8.matvec_int8, for Q4_K and Q6_K; params as there, and
+    unpack 1: int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks)."""
+    if w.type_id not in TYPES:
+        raise ValueError(f"the pieces mat-vec takes Q4_K and Q6_K; got {w.type_name}")
+    launch = plan("pieces", x, w, params)
+    M, K = x.shape
+    q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
+    part, y, counts = launch.outputs(M, w.n, x.device, out)
+    _KERNELS[w.type_id][launch.grid(w.n)](
+        q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split,
+        M=M, BLOCK_N=params["block_n"], NB=launch.per_tile, SPLIT=launch.split, DOT=dot_kind(x.device),
+        CARRY=params.get("carry", 1), UNPACK=params.get("unpack", 0), num_warps=params["num_warps"],
+        num_stages=1, **pdl.launch_args(x.device),
+    )
+    return y

@@ -1,7 +1,7 @@
 """Timing kernels the way the decode graph runs them: calls on rotating copies of their inputs, captured
 back to back in one CUDA/HIP graph and replayed, the median per call. No launch gaps and no cache flush
-between calls (one-call event timing adds launch latency and noise of the size of a decode mat-vec,
-docs/PERF.md 2026-12-03), and with copies_for(bytes) copies no call finds its weights in L2."""
+between calls (one-call event timing adds launch latency and noise of the size of a decode mat-vec),
+and with copies_for(bytes) copies no call finds its weights in L2."""
 
 from __future__ import annotations
 

@@ -1,14 +1,18 @@
-"""Launch parameters are data: `configs/kernels/<target>.json`, keyed by op, weight type and shape class,
-written by `vegaserve tune`; a fixed rule per backend is the fallback. The target is the active Triton
-target (`cuda_sm90`, `hip_gfx906`, ...), never a hard-coded device name in a launcher.
+"""Launch parameters are data: `configs/kernels/<target>.json`, written by `vegaserve tune`; a fixed rule per
+backend is the fallback. The target is the active Triton target (`cuda_sm90`, `hip_gfx906`, ...), never a
+hard-coded device name in a launcher.
 
 File format:
-    {"target": "cuda_sm90", "matvec": {"Q4_K": {"large": {"1": {...}, "8": {...}}}, ...},
-     "matvec_flat": {...keyed like "matvec"...}, "matvec_int8": {...}, "matvec_kernel": {"Q4_K": "int8"},
-     "matvec_int8_pairs": false, "prefill": {"dense_from_m": 9}}
-Shape classes: `small` (N*K < 2^22), `medium` (< 2^26), `large`; an exact shape key ("4096x14336", N x K)
-measured on a model's own matrices comes before its class. Row counts 1..8 map to the nearest measured
-count at or above them.
+    {"target": "cuda_sm90", "source": "how the entries were measured",
+     "matvec": {"Q4_K": {"28672x4096": {"1": {"kernel": "pieces", "block_n": 16, ...}, "8": {...}},
+                         "medium": {...}, "any": {"1": {"kernel": "pieces"}, "8": {"kernel": "int8"}}}},
+     "matvec_canonical": {...},
+     "prefill": {"dense_from_m": 9, "scratch_dtype": "bfloat16"}}
+`matvec` holds the decode mat-vec of repacked weights, `matvec_canonical` of weights kept in GGUF's blocks
+(`--no-repack`). An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
+leaves out come from the kernel's rule. Shape keys: the exact shape ("4096x14336", N x K) first, then its
+class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. Row counts 1..8 take the entry of the
+nearest measured count at or above them, else the largest. Without an entry: the backend's fallback.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 
-# Fallback rules per backend, used where the file has no entry.
-# NVIDIA (warp 32, tensor cores): 8-16 rows per program, 512-element k tiles; prefill through the vendor
-#   GEMM on a dequantized scratch copy from 9 rows (measured 49-90% of cuBLAS, against 4-7% for the
-#   in-register Triton GEMM so far: docs/PERF.md).
-# gfx906 (wave64, no matrix cores, fast fp16): wider row tiles to fill 64 lanes, fp16 scratch for hipBLAS.
+# Fallback per backend, where the file has no entry:
+# NVIDIA (warp 32, tensor cores) and gfx906 (wave64, no matrix cores): the tile kernel on 16 rows and 16
+# blocks a program; prefill through the vendor GEMM on a dequantized scratch copy from 9 rows (49-90% of
+# cuBLAS, where an in-register Triton GEMM reached 4-7%), in bf16 on NVIDIA and in fp16 on gfx906 (its
+# fastest GEMM type; it has no bf16 units).
 _FALLBACK: dict[str, dict[str, Any]] = {
-    "cuda": {"matvec": {"block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4}, "dense_from_m": 9, "scratch_dtype": "bfloat16"},
-    "hip": {"matvec": {"block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4}, "dense_from_m": 9, "scratch_dtype": "float16"},
+    "cuda": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
+             "dense_from_m": 9, "scratch_dtype": "bfloat16"},
+    "hip": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
+            "dense_from_m": 9, "scratch_dtype": "float16"},
 }
+TABLES = ("matvec", "matvec_canonical")
+SHAPE_CLASSES = ("small", "medium", "large")
 
 
 def shape_class(n: int, k: int) -> str:
@@ -53,37 +61,21 @@ def active_target() -> str:
 class Tuning:
     target: str
     table: dict[str, Any] = field(default_factory=dict)
+    file: str | None = None
 
     @property
     def backend(self) -> str:
         return self.target.split("_", 1)[0] if self.target != "cpu" else "cuda"
 
-    def measured(self, op: str, type_name: str, n: int, k: int, m: int) -> dict[str, int] | None:
-        """The file's launch parameters for `op` at the nearest measured row count at or above m (else the
-        largest measured) for the exact shape, else its shape class; None where the file has neither."""
-        by_type = self.table.get(op, {}).get(type_name, {})
-        by_m = by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k), {})
+    def matvec(self, type_name: str, n: int, k: int, m: int, repacked: bool = True) -> dict[str, Any]:
+        """The decode mat-vec entry of an N x K matrix of `type_name` at m rows: {"kernel": name, launch
+        parameters...}, the file's where it has one, else the backend's fallback."""
+        by_type = self.table.get("matvec" if repacked else "matvec_canonical", {}).get(type_name, {})
+        by_m = by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k)) or by_type.get("any") or {}
         measured = sorted(int(x) for x in by_m)
         if not measured:
-            return None
+            return dict(_FALLBACK[self.backend]["matvec"])
         return dict(by_m[str(next((x for x in measured if x >= m), measured[-1]))])
-
-    def matvec(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
-        found = self.measured("matvec", type_name, n, k, m)
-        return found if found is not None else dict(_FALLBACK[self.backend]["matvec"])
-
-    def matvec_kernel(self, type_name: str) -> str:
-        """Which decode mat-vec serves `type_name`: "flat" (matvec_flat.py) or "int8" (matvec_int8.py)
-        where the file says so from a side-by-side measurement (benchmarks/matvec_variants.py), else
-        "tiles" (matmul.matvec)."""
-        return str(self.table.get("matvec_kernel", {}).get(type_name, "tiles"))
-
-    @property
-    def matvec_int8_pairs(self) -> bool:
-        """Whether a layer's two int8 matrices of different K-quant types (Q4_K q/k beside a Q6_K v) take one
-        launch at one row (matvec_int8.matvec_int8_pair) where the file says so from a measurement
-        (benchmarks/pair_matvec.py), else one launch each."""
-        return bool(self.table.get("matvec_int8_pairs", False))
 
     @property
     def dense_from_m(self) -> int:
@@ -97,12 +89,12 @@ class Tuning:
 def load_tuning(target: str | None = None, path: str | Path | None = None) -> Tuning:
     target = target or active_target()
     file = Path(path) if path else CONFIG_DIR / f"{target}.json"
-    return Tuning(target, _read(str(file)))
+    if not file.exists():
+        return Tuning(target, {}, None)
+    return Tuning(target, _read(str(file), file.stat().st_mtime_ns), str(file))
 
 
 @lru_cache(maxsize=8)
-def _read(file: str) -> dict[str, Any]:
-    p = Path(file)
-    if not p.exists():
-        return {}
-    return json.loads(p.read_text())
+def _read(file: str, mtime_ns: int) -> dict[str, Any]:
+    """The file's table, read once per version of it (`vegaserve tune` rewrites it)."""
+    return json.loads(Path(file).read_text())

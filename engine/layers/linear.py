@@ -81,18 +81,22 @@ class ReferenceMethod(QuantMethod):
 
 class TritonMethod(QuantMethod):
     """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
-    --no-repack); Triton mat-vec for up to 8 rows; above that (the tuning file's `dense_from_m`), the
-    matrix is dequantized into a scratch buffer and multiplied by the vendor GEMM.
+    --no-repack); up to 8 rows the decode mat-vec (triton_kernels/matvec.py) with the kernel the tuning
+    file names for each matrix; above that (the file's `dense_from_m`), the matrix is dequantized into a
+    scratch buffer and multiplied by the vendor GEMM.
 
     Stacked matrices of one type become one matrix (their rows concatenated: GGUF rows are independent),
-    so q/k/v and gate/up cost one launch each; mixed types run one matmul per type, or at one row, for
-    a Q4_K and a Q6_K matrix where the tuning file says `matvec_int8_pairs`, one launch for both.
+    so q/k/v and gate/up cost one launch each; mixed types run one mat-vec per type. The int8 kernels
+    multiply x's q8_1 copy: with `q8_1_cache` (GGML_CUDA_Q8_1_CACHE, on by default) x is quantized once
+    for every matrix of the layer, or by the op before (wants_q8_1); off, each matrix quantizes its own.
     """
 
-    def __init__(self, repack: bool = True, gemm_dtype: torch.dtype | None = None, tuning_file: str | None = None) -> None:
+    def __init__(self, repack: bool = True, gemm_dtype: torch.dtype | None = None, tuning_file: str | None = None,
+                 q8_1_cache: bool = True) -> None:
         from vegaserve.triton_kernels.tuning import load_tuning
 
         self.repack = repack
+        self.q8_1_cache = q8_1_cache
         self.tuning = load_tuning(path=tuning_file)
         # long prompts: the vendor GEMM on a dequantized copy, in the target's best operand type
         self.gemm_dtype = gemm_dtype or getattr(torch, self.tuning.scratch_dtype)
@@ -101,6 +105,7 @@ class TritonMethod(QuantMethod):
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
         from vegaserve.triton_kernels.matmul import SUPPORTED
+        from vegaserve.triton_kernels.matvec import choose
 
         device = layer.device
         groups: list[tuple[int, list[torch.Tensor], int]] = []  # (type, raws, rows)
@@ -121,73 +126,45 @@ class TritonMethod(QuantMethod):
             build = layout.repack if self.repack else layout.canonical
             w = build(raw, type_id, rows, layer.in_features)
             layer.packed.append(w)
-            # kernel and launch parameters for 1..8 rows, looked up once here, not per token
-            layer.tuned.append([self._matvec_for(w, m) for m in range(1, 9)])
+            try:  # the kernel and launch parameters for 1..8 rows, chosen once here, not per token
+                layer.tuned.append([choose(w, m, self.tuning) for m in range(1, 9)])
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from e
             if self.scratch is None or self.scratch.numel() < w.n * w.k:
                 self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
-        layer.pair = self._one_launch_pair(layer)
 
-    def _one_launch_pair(self, layer: QuantLinear) -> bool:
-        """Whether the layer's matrices at one row take one launch (matvec_int8_pair): two int8 matrices of
-        different K-quant types, where the tuning file says pairs are faster."""
-        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, pairs
-
-        if not self.tuning.matvec_int8_pairs or len(layer.packed) != 2:
-            return False
-        (fa, pa), (fb, pb) = (by_m[0] for by_m in layer.tuned)
-        return fa is matvec_int8 and fb is matvec_int8 and pairs((layer.packed[0], pa), (layer.packed[1], pb))
-
-    def _matvec_for(self, w, m: int):
-        """(kernel, launch parameters) of the decode mat-vec of `w` at m rows: the flat-tile or the int8-dot
-        kernel where the tuning file picks it for the type and the layout is repacked, else the tile kernel."""
-        from vegaserve.triton_kernels import matvec_flat, matvec_int8
-        from vegaserve.triton_kernels.matmul import matvec
-
-        kind = self.tuning.matvec_kernel(w.type_name)
-        if kind == "flat" and w.repacked and w.type_id in matvec_flat.SUPPORTED:
-            return matvec_flat.matvec_flat, matvec_flat.flat_params(w, m, self.tuning)
-        if kind == "int8" and w.repacked and w.type_id in matvec_int8.SUPPORTED:
-            return matvec_int8.matvec_int8, matvec_flat.flat_params(w, m, self.tuning, op="matvec_int8")
-        return matvec, self.tuning.matvec(w.type_name, w.n, w.k, m)
+    def _decode(self, m: int) -> bool:
+        return m < self.tuning.dense_from_m and m <= 8
 
     def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
-        from vegaserve.triton_kernels.matvec_int8 import matvec_int8
-
-        return m < self.tuning.dense_from_m and m <= 8 and any(by_m[m - 1][0] is matvec_int8 for by_m in layer.tuned)
+        return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.matmul import dense_gemm
-        from vegaserve.triton_kernels.matvec_int8 import matvec_int8, matvec_int8_pair, quantize_q8_1
+        from vegaserve.triton_kernels.matvec import matvec
+        from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
         m = x.shape[0]
-        if m < self.tuning.dense_from_m and m <= 8:
-            fns = [by_m[m - 1] for by_m in layer.tuned]
-            # x quantized once for every int8-dot matrix of the layer (q, k and v of mixed types), unless the
-            # op before handed its q8_1 over
-            if m == 1 and len(fns) > 1 and all(fn is matvec_int8 for fn, _ in fns):
-                # one row: each matrix writes its columns of the output in place (no cat launch)
-                y = torch.empty(1, layer.out_features, device=x.device)
-                q8_1 = q8_1 or quantize_q8_1(x)
-                if layer.pair:  # both matrices in one launch
-                    (_, pa), (_, pb) = fns
-                    matvec_int8_pair(x, (layer.packed[0], pa), (layer.packed[1], pb), q8_1=q8_1, out=y)
-                    return y if layer.bias is None else y + layer.bias
-                at = 0
-                for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
-                    fn(x, w, **cfg, q8_1=q8_1, out=y[:, at : at + w.n])
-                    at += w.n
-                return y if layer.bias is None else y + layer.bias
-            outs = []
-            for w, (fn, cfg) in zip(layer.packed, fns, strict=True):
-                if fn is matvec_int8:
-                    q8_1 = q8_1 or quantize_q8_1(x)
-                    outs.append(fn(x, w, **cfg, q8_1=q8_1))
-                else:
-                    outs.append(fn(x, w, **cfg))
-        else:
+        if not self._decode(m):
             xq = x.to(self.gemm_dtype)
             outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return y if layer.bias is None else y + layer.bias
+        choices = [by_m[m - 1] for by_m in layer.tuned]
+        if self.q8_1_cache and q8_1 is None and any(c.kernel.int8 for c in choices):
+            q8_1 = quantize_q8_1(x)  # once for every int8 matrix of the layer (q, k and v of mixed types)
+        shared = q8_1 if self.q8_1_cache else None
+        if m == 1 and len(choices) > 1 and all(c.kernel.int8 for c in choices):
+            # one row: each matrix writes its columns of the output in place (no cat launch)
+            y = torch.empty(1, layer.out_features, device=x.device)
+            at = 0
+            for w, c in zip(layer.packed, choices, strict=True):
+                matvec(x, w, c, q8_1=shared, out=y[:, at : at + w.n])
+                at += w.n
+        else:
+            outs = [matvec(x, w, c, q8_1=shared if c.kernel.int8 else None)
+                    for w, c in zip(layer.packed, choices, strict=True)]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -203,8 +180,7 @@ class QuantLinear(nn.Module):
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
         self.packed: list = []  # TritonMethod's PackedWeights
-        self.tuned: list = []  # and their launch parameters for 1..8 rows
-        self.pair = False  # TritonMethod: the two matrices take one launch at one row (matvec_int8_pair)
+        self.tuned: list = []  # and their mat-vec choices (matvec.Choice) for 1..8 rows
         self.device = torch.device("cpu")
 
     def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:

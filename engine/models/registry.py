@@ -27,17 +27,22 @@ class LoadedModel:
     gguf: GGUFFile
 
 
-def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None = None) -> QuantMethod:
+def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None = None,
+                     q8_1_cache: bool = True) -> QuantMethod:
     """CPU: the torch references (dequantize once, f32 matmul); GPU: the Triton kernels on GGUF bytes."""
-    return ReferenceMethod(torch.float32) if device.type == "cpu" else TritonMethod(repack=repack, tuning_file=tuning_file)
+    if device.type == "cpu":
+        return ReferenceMethod(torch.float32)
+    return TritonMethod(repack=repack, tuning_file=tuning_file, q8_1_cache=q8_1_cache)
 
 
 def load_model(
     gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
     tuning_file: str | None = None, comm: Communicator | None = None, layers: range | None = None,
+    q8_1_cache: bool = True,
 ) -> LoadedModel:
     """The model, or with `comm` one rank's share of it: the `layers` of its pipeline stage, sliced for its
-    tensor-parallel lane (models/llama.py)."""
+    tensor-parallel lane (models/llama.py). q8_1_cache: the int8 mat-vecs share x's q8_1 copy (config
+    kernels.q8_1_cache)."""
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
     if cls is None:
@@ -46,7 +51,7 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack, tuning_file), max_positions, comm, layers)
+    model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache), max_positions, comm, layers)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

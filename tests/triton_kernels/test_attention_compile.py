@@ -1,6 +1,6 @@
 """The attention kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each backend's fallback
-launch parameters, the decode split kernel also with the new token to rotate and store (both pairings),
-and the kernels that write the output with and without its q8_1 copy:
+launch parameters, the decode split kernel with one partition and several, and the kernels that write the
+output with and without its q8_1 copy:
 the interpreter accepts code the compiler rejects, and these compilers need no GPU.
 
 Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). f16
@@ -23,8 +23,7 @@ backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 types = {"q_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32",
          "qstart_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-         "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "new_slot_ptr": "*i64", "kn_ptr": "*fp32",
-         "vn_ptr": "*fp32", "q8_ptr": "*i8", "q8d_ptr": "*fp32", "q8s_ptr": "*fp32", "qk_scale": "fp32"}
+         "q8_ptr": "*i8", "q8d_ptr": "*fp32", "q8s_ptr": "*fp32", "qk_scale": "fp32"}
 
 def build(fn, consts, opts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -32,11 +31,10 @@ def build(fn, consts, opts):
 
 pdl = backend == "cuda"  # programmatic dependent launch: sm_90's, AMD has none (pdl.py)
 meta, opts = split_params(backend_fallback(backend, "decode"))
-for single, rope, neox, q8 in ((False, False, False, False), (True, False, False, True), (False, True, False, False),
-                              (True, True, True, True), (True, False, False, False)):
+for single, q8 in ((False, False), (True, True), (False, True), (True, False)):
     build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
-          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, ROPE=rope,
-          ROT=128 if rope else 0, NEOX=neox, Q8=q8, PDL=pdl), opts)
+          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, Q8=q8, PDL=pdl),
+          opts)
 for q8 in (False, True):
     build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, Q8=q8, PDL=pdl), {})
 meta, opts = split_params(backend_fallback(backend, "prefill"))

@@ -1,7 +1,8 @@
-"""Quantized mat-vec and GEMM kernels against dequant(W) @ x of the torch references (float64).
+"""The tile kernels of triton_kernels/matmul.py (tile_matvec, the decode mat-vec's `tiles` kernel, and the
+prefill path's dequantizer) against dequant(W) @ x of the torch references (float64).
 
-Every type the kernels serve x both layouts x {mat-vec at 1, 3 and 8 rows, GEMM with f32 operands, GEMM
-with fp16 operands}; odd N so the last row tile is partial. Runs under TRITON_INTERPRET=1 on a CPU (tests/
+Every type the kernels serve x both layouts x {mat-vec at 1, 3 and 8 rows, the dense copy bit for bit,
+prefill with f32 and fp16 operands}; odd N so the last row tile is partial. Runs under TRITON_INTERPRET=1 on a CPU (tests/
 conftest.py) and natively where a GPU exists. bf16 operands only on a GPU: Triton's CPU interpreter has no
 bf16 (numpy lacks the type).
 """
@@ -13,7 +14,7 @@ import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import SUPPORTED, gemm, matvec, reference_matmul
+from vegaserve.triton_kernels.matmul import SUPPORTED, reference_matmul, tile_matvec
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,28 +36,36 @@ def make(type_name: str, n: int, k: int, layout, seed: int):
 
 @pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
 @pytest.mark.parametrize("type_name", LEGACY)
-def test_matvec_matches_reference(type_name, layout):
+def test_tile_matvec_matches_reference(type_name, layout):
     w, gen = make(type_name, 37, 96, layout, 1)
     for m in (1, 3, 8):
         x = torch.randn(m, 96, generator=gen).to(DEVICE)
-        assert rel_err(matvec(x, w, block_n=16, nb=1), reference_matmul(x.cpu(), _cpu(w))) < 1e-5
+        assert rel_err(tile_matvec(x, w, block_n=16, nb=1), reference_matmul(x.cpu(), _cpu(w))) < 1e-5
 
 
 @pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
 @pytest.mark.parametrize("type_name", LEGACY)
-def test_gemm_matches_reference_f32_and_fp16_operands(type_name, layout):
+def test_prefill_dequantizes_exactly_and_matches_reference_f32_and_fp16_operands(type_name, layout):
+    """The prefill path (dense_gemm): the tiles dequantized into a scratch copy equal the reference
+    dequantizer bit for bit in f32, and the product matches the reference with f32 and fp16 operands."""
+    from vegaserve.triton_kernels.dequant import dequantize
+    from vegaserve.triton_kernels.matmul import dense_gemm, dequantize_dense
+
     w, gen = make(type_name, 37, 96, layout, 2)
+    ref_w = dequantize(unpack_to_canonical(_cpu(w)).reshape(-1), w.type_id, (37, 96))
+    assert torch.equal(dequantize_dense(w, dtype=torch.float32, block_n=16, nb=1).cpu(), ref_w)
     x = torch.randn(17, 96, generator=gen).to(DEVICE)
     ref = reference_matmul(x.cpu(), _cpu(w))
-    assert rel_err(gemm(x, w, block_m=16, block_n=16, nb=1), ref) < 1e-5
-    assert rel_err(gemm(x.half(), w, out_dtype=torch.float32, block_m=16, block_n=16, nb=1), ref) < 3e-3
+    assert rel_err(dense_gemm(x, w), ref) < 1e-5
+    assert rel_err(dense_gemm(x.half(), w).float(), ref) < 3e-3
 
 
-def test_split_k_matvec_equals_unsplit():
+def test_split_k_tile_matvec_with_a_shorter_last_split_matches_the_reference():
+    """10 blocks in splits of 4: the last split holds 2, its partials summed with the others."""
     w, gen = make("Q4_0", 40, 320, repack, 3)
     x = torch.randn(2, 320, generator=gen).to(DEVICE)
     ref = reference_matmul(x.cpu(), _cpu(w))
-    assert rel_err(matvec(x, w, block_n=16, nb=1, split_k=3), ref) < 1e-5
+    assert rel_err(tile_matvec(x, w, block_n=16, nb=1, split_k=3), ref) < 1e-5
 
 
 def test_repack_round_trips_and_keeps_size_within_one_percent():
@@ -94,11 +103,12 @@ def test_k_quant_repack_round_trips_with_one_head_record_per_super_block(type_na
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 operands need a GPU (the interpreter has no bf16)")
 @pytest.mark.parametrize("type_name", LEGACY)
-def test_gemm_bf16_operands_on_gpu(type_name):
+def test_prefill_bf16_operands_on_gpu(type_name):
+    from vegaserve.triton_kernels.matmul import dense_gemm
+
     w, gen = make(type_name, 37, 96, repack, 5)
     x = torch.randn(17, 96, generator=gen).to(DEVICE)
-    assert rel_err(gemm(x.bfloat16(), w, out_dtype=torch.float32, block_m=16, block_n=16, nb=1),
-                   reference_matmul(x.cpu(), _cpu(w))) < 3e-3
+    assert rel_err(dense_gemm(x.bfloat16(), w).float(), reference_matmul(x.cpu(), _cpu(w))) < 3e-3
 
 
 def test_every_served_legacy_type_has_a_kernel():

@@ -1,11 +1,12 @@
-"""The int8-dot mat-vec kernels (the 32-element types' with their flat loads, and both K-quant kernels:
-groups and pieces, and the pieces pair kernel) compile for an NVIDIA sm_90 and an AMD gfx906 target with each one's
-instructions in them: dp4a and prmt (the level tables) in the PTX, v_dot4_i32_i8 and v_perm_b32 in the
-AMDGCN assembly. The interpreter runs the integer emulation of those instructions, so only a compiler sees
-the inline assembly; these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
+"""The int8-dot decode mat-vec kernels (matvec_int8.py: the 32-element types' with their flat loads and the
+K-quants' groups kernels; matvec_pieces.py; on NVIDIA matvec_mma.py's lanes kernel) compile for an NVIDIA
+sm_90 and an AMD gfx906 target with each one's instructions in them: dp4a and prmt (the level tables),
+mma.sync (the lanes kernel) in the PTX, v_dot4_i32_i8 and v_perm_b32 in the AMDGCN assembly. The
+interpreter runs the integer emulation of those instructions, so only a compiler sees the inline assembly;
+these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
 
-Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). M = 1,
-a split-K of 2, the tiles of an 8B decode.
+Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). M = 1
+(the lanes kernel: 8), a split-K of 2, the tiles of an 8B decode.
 """
 
 from __future__ import annotations
@@ -17,64 +18,46 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vegaserve.triton_kernels import matvec_int8 as mv
+from vegaserve.triton_kernels import matvec_int8, matvec_mma, matvec_pieces
+from vegaserve.triton_kernels.dequant import GGMLType as T
+from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, PTX_DP4A
 
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
-dot = mv.PTX_DP4A if backend == "cuda" else mv.AMDGCN_DOT4
+dot = PTX_DP4A if backend == "cuda" else AMDGCN_DOT4
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32", "base_a": "*u8", "part_a": "*fp32", "out_a": "*fp32",
-         "count_a": "*i32", "base_b": "*u8", "part_b": "*fp32", "out_b": "*fp32", "count_b": "*i32"}
+         "out_ptr": "*fp32", "count_ptr": "*i32"}
 common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False)
-kernels = {
-    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
-    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
-    "IQ4_NL": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=1, E8M0=False, FLAT=1)),
-    "MXFP4": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=2, E8M0=True, FLAT=1)),
-    "Q4_K": (mv._q4_k_kernel, dict(NB=8, STAGE=1)),
-    "Q6_K": (mv._q6_k_kernel, dict(NB=4)),
-    "Q4_K_pieces": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q4_K_pieces_unpack": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
-    "Q6_K_pieces": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q6_K_pieces_unpack": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=1, GATHER=0)),
-    "Q4_K_pieces_gather": (mv.q4_k_pieces_kernel, dict(NB=2, UNPACK=1, GATHER=1)),
-    "Q6_K_pieces_gather": (mv.q6_k_pieces_kernel, dict(NB=2, UNPACK=0, GATHER=1)),
-    # a layer's Q4_K q/k and Q6_K v in one launch, with the H200 file's launches of 5120x4096 and 1024x4096
-    "pair": (mv.pieces_pair_kernel, dict(KIND_A=mv.Q4_K, BLOCK_N_A=32, NB_A=2, SPLIT_A=4, CARRY_A=0, UNPACK_A=0,
-                                          GATHER_A=1, KIND_B=mv.Q6_K, BLOCK_N_B=8, NB_B=2, SPLIT_B=16, CARRY_B=0,
-                                          UNPACK_B=0, GATHER_B=0, DOT=dot, PDL=False)),
-}
+kernels = {}
+for name, nb in (("Q8_0", 32), ("Q4_0", 32), ("IQ4_NL", 32), ("MXFP4", 32), ("Q4_K", 8), ("Q6_K", 4)):
+    fn, type_args = matvec_int8.kernel_for(getattr(T, name), 1)  # as a one-row launch takes it
+    kernels[name] = (fn, dict(NB=nb, **type_args))
+for name in ("Q4_K", "Q6_K"):
+    fn = matvec_pieces._KERNELS[getattr(T, name)]
+    kernels[name + "_pieces"] = (fn, dict(NB=8, UNPACK=0))
+    kernels[name + "_pieces_unpack"] = (fn, dict(NB=8, UNPACK=1))
 if backend == "cuda":  # matrix units: gfx906 has none
-    kernels["Q4_K_mma"] = (mv._q4_k_mma_kernel, dict(M=8, BLOCK_N=64, NB=1))
     for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "MXFP4"):
-        fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4})
-        kernels[name + "_lanes"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
-    for name, pipe in (("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 2), ("MXFP4", 2)):  # the pipelined loops
-        fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": 4, "pipe": pipe})
-        kernels[f"{name}_lanes_pipe{pipe}"] = (fn, dict(M=8, BLOCK_N=64, NB=4, **type_args))
+        kernels[name + "_lanes"] = (matvec_mma.lanes_kernel,
+                                    dict(M=8, BLOCK_N=64, NB=4, **matvec_mma.kernel_args(getattr(T, name), 4)))
 for name, (fn, consts) in kernels.items():
-    consts = consts if "KIND_A" in consts else {**common, **consts}
+    consts = {**common, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
-    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32", "mma_async.sync.aligned.m64n16k32.s32.s8.s8",
+    found = [ins for ins in ("dp4a.s32.s32", "prmt.b32", "v_dot4_i32_i8", "v_perm_b32",
                              "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32",
                              "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32") if ins in asm]
     print(name, " ".join(found))
 print("compiled")
 """
 
-WANT = {  # type -> instructions its kernel must contain, per backend
+WANT = {  # kernel -> instructions it must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"}, "Q6_K": {"dp4a.s32.s32"},
              "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
-             "Q6_K_pieces_unpack": {"dp4a.s32.s32"}, "pair": {"dp4a.s32.s32"},
-             "Q4_K_pieces_gather": {"dp4a.s32.s32"}, "Q6_K_pieces_gather": {"dp4a.s32.s32"}, "Q4_K_mma": {"mma_async.sync.aligned.m64n16k32.s32.s8.s8"},
+             "Q6_K_pieces_unpack": {"dp4a.s32.s32"},
              "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
-             "Q4_K_lanes_pipe1": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
-             "Q4_K_lanes_pipe2": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
-             "Q6_K_lanes_pipe2": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
-             "MXFP4_lanes_pipe2": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"},
              "Q6_K_lanes": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
              "Q8_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q4_0_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
@@ -83,8 +66,7 @@ WANT = {  # type -> instructions its kernel must contain, per backend
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
-            "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}, "pair": {"v_dot4_i32_i8"},
-            "Q4_K_pieces_gather": {"v_dot4_i32_i8"}, "Q6_K_pieces_gather": {"v_dot4_i32_i8"}},
+            "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}},
 }
 
 
@@ -92,11 +74,12 @@ WANT = {  # type -> instructions its kernel must contain, per backend
 def test_int8_kernels_compile_with_the_targets_dot_and_permute_instructions(backend, arch, warp, offline_compile):
     out = offline_compile(COMPILE, backend, arch, warp)
     found = {line.split()[0]: set(line.split()[1:]) for line in out.splitlines() if line != "compiled"}
+    assert set(found) == set(WANT[backend])
     for name, want in WANT[backend].items():
         assert want <= found[name], f"{name} on {arch}: {sorted(found[name])}, expected {sorted(want)}"
         assert not found[name] - {i for w in WANT[backend].values() for i in w}, f"{name}: the other vendor's instruction"
-    if backend == "cuda":  # matrix units, no dp4a: Hopper's warpgroup MMA (tl.dot), mma.sync (the lanes kernels)
-        for name in ("Q4_K_mma", "Q4_K_lanes", "Q6_K_lanes", "Q8_0_lanes", "Q4_0_lanes", "IQ4_NL_lanes", "MXFP4_lanes"):
+    if backend == "cuda":  # matrix units, no dp4a: mma.sync (the lanes kernels)
+        for name in ("Q4_K_lanes", "Q6_K_lanes", "Q8_0_lanes", "Q4_0_lanes", "IQ4_NL_lanes", "MXFP4_lanes"):
             assert "dp4a.s32.s32" not in found[name], name
 
 
@@ -105,11 +88,12 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vegaserve.triton_kernels import matvec_int8 as mv
+from vegaserve.triton_kernels import matvec_int8, matvec_mma, matvec_pieces
+from vegaserve.triton_kernels.dequant import GGMLType as T
+from vegaserve.triton_kernels.int8_ops import PTX_DP4A
 
 TYPES = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32", "base_a": "*u8", "part_a": "*fp32", "out_a": "*fp32",
-         "count_a": "*i32", "base_b": "*u8", "part_b": "*fp32", "out_b": "*fp32", "count_b": "*i32"}
+         "out_ptr": "*fp32", "count_ptr": "*i32"}
 
 
 def sm90(fn, consts, warps):
@@ -122,12 +106,12 @@ def sm90(fn, consts, warps):
 """
 
 LAYOUT = SM90 + r"""
-common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=mv.PTX_DP4A, CARRY=0, PDL=False)
+common = dict(M=1, BLOCK_N=16, SPLIT=1, DOT=PTX_DP4A, CARRY=0, PDL=False)
 kernels = {
-    "Q8_0": (mv._legacy_kernel, dict(NB=32, WORDS=8, TABLE=0, E8M0=False, FLAT=1)),
-    "Q4_0": (mv._legacy_kernel, dict(NB=32, WORDS=4, TABLE=0, E8M0=False, FLAT=1)),
-    "Q4_K_pieces": (mv.q4_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
-    "Q6_K_pieces": (mv.q6_k_pieces_kernel, dict(NB=8, UNPACK=0, GATHER=0)),
+    "Q8_0": (matvec_int8._legacy_kernel, dict(NB=32, **matvec_int8.kernel_for(T.Q8_0, 1)[1])),
+    "Q4_0": (matvec_int8._legacy_kernel, dict(NB=32, **matvec_int8.kernel_for(T.Q4_0, 1)[1])),
+    "Q4_K_pieces": (matvec_pieces.q4_k_pieces_kernel, dict(NB=8, UNPACK=0)),
+    "Q6_K_pieces": (matvec_pieces.q6_k_pieces_kernel, dict(NB=8, UNPACK=0)),
 }
 for name, (fn, consts) in kernels.items():
     ttgir = sm90(fn, {**common, **consts}, 4)["ttgir"]
@@ -141,8 +125,7 @@ print("compiled")
 
 def test_quant_word_loads_put_the_lanes_of_a_warp_along_the_row(offline_compile):
     """The flat and pieces loads exist so that one warp instruction reads one row's contiguous run (4 cache
-    lines), not 16 rows (16): Triton 3.6 put a [rows, blocks, 4] load's lanes across rows (docs/PERF.md,
-    2026-12-04, fourth sitting). Each row-run load of the engine's M = 1 kernels, as this Triton lays it
+    lines), not 16 rows (16): Triton 3.6 put a [rows, blocks, 4] load's lanes across rows. Each row-run load of the engine's M = 1 kernels, as this Triton lays it
     out: 16 lanes or more along the row (16 bytes each), or as many as its run takes (the Q4_K head records,
     32 words a row: 8 lanes, 4 rows, one cache line each)."""
     out = offline_compile(LAYOUT, "cuda", "90", 32)
@@ -157,9 +140,8 @@ LANES = SM90 + r"""
 mma_per_tile = {"Q4_K": 8, "Q6_K": 16, "Q8_0": 4, "Q4_0": 4, "IQ4_NL": 4, "MXFP4": 4}  # at NB 4
 runs = [(4, 64, 1), (4, 128, 2), (8, 128, 1)]
 for name, (warps, block_n, split) in [(n, r) for n in mma_per_tile for r in runs]:
-    fn, type_args = mv.choose_kernel(getattr(mv, name), 8, {"mma": 2, "num_warps": warps})
-    asm = sm90(fn, dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=mv.PTX_DP4A, CARRY=1, PDL=True,
-                        **type_args), warps)
+    asm = sm90(matvec_mma.lanes_kernel, dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=PTX_DP4A, CARRY=1,
+                                             PDL=True, **matvec_mma.kernel_args(getattr(T, name), warps)), warps)
     ttgir = asm["ttgir"]
     layouts = sorted(set(re.findall(r"^#\w+ = (#ttg\.\w+<.*>)$", ttgir, re.M)))
     key = f"{name} {warps} {block_n} {split}"
@@ -170,8 +152,8 @@ print("compiled")
 """
 
 
-def test_lanes_kernels_keep_one_value_a_lane_and_no_shared_memory(offline_compile):
-    """The lanes kernels (matvec_mma.py) are correct only if each [32 W] tensor keeps Triton's
+def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compile):
+    """The lanes kernel (matvec_mma.py) is correct only if each [32 W] tensor keeps Triton's
     one-value-a-lane layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked
     layout in the whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no
     shared memory (the tl.dot kernel's cost), and one mma a block (Q4_K: 8 a super-block, Q6_K 16) for

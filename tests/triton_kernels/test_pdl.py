@@ -10,7 +10,9 @@ from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.fused import add_rms_norm, rms_norm, silu_mul
 from vegaserve.triton_kernels.layout import repack
-from vegaserve.triton_kernels.matvec_int8 import matvec_int8, quantize_q8_1
+from vegaserve.triton_kernels.matvec import KERNELS, Choice, matvec
+from vegaserve.triton_kernels.matvec_launch import rule
+from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 
@@ -51,13 +53,17 @@ def test_a_captured_layer_chain_is_bitwise_the_same_with_and_without_pdl(pdl_set
     up = [repack(random_blocks(tids["Q4_K"], 2 * f, d // 256, gen).cuda(), tids["Q4_K"], 2 * f, d) for _ in range(3)]
     down = [repack(random_blocks(tids["Q6_K"], d, f // 256, gen).cuda(), tids["Q6_K"], d, f) for _ in range(3)]
     norm_w = torch.rand(d, generator=gen).cuda() + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def int8(type_name: str, n: int, k: int, split_k: int) -> Choice:
+        return Choice(KERNELS["int8"], {**rule(tids[type_name], n, k, 1, sms), "split_k": split_k})
 
     def chain(x: torch.Tensor) -> torch.Tensor:
         h, y = x, rms_norm(x, norm_w, 1e-5)
         for i in range(12):
-            g = matvec_int8(y, up[i % 3], split_k=2 if i % 2 else 1, q8_1=quantize_q8_1(y))
+            g = matvec(y, up[i % 3], int8("Q4_K", 2 * f, d, 2 if i % 2 else 1), q8_1=quantize_q8_1(y))
             a = silu_mul(g)
-            o = matvec_int8(a, down[i % 3], split_k=4 if i % 3 == 0 else 1)
+            o = matvec(a, down[i % 3], int8("Q6_K", d, f, 4 if i % 3 == 0 else 1))
             h, y = add_rms_norm(h, o, norm_w, 1e-5)
         return y
 

@@ -1,7 +1,8 @@
-"""The K-quant (Q4_K, Q5_K, Q6_K) and MXFP4 tiles through the mat-vec and GEMM kernels, against dequant(W) @ x
-of the torch references in float64.
+"""The K-quant (Q4_K, Q5_K, Q6_K) and MXFP4 tiles through the tile mat-vec and the prefill path (the tiles
+dequantized into a dense copy, then the matmul), against dequant(W) @ x of the torch references in float64.
 
-Each type x both layouts x {mat-vec at 1, 3 and 8 rows, GEMM with f32 operands, GEMM with fp16 operands};
+Each type x both layouts x {mat-vec at 1, 3 and 8 rows, the dense copy bit for bit, prefill with f32 and
+fp16 operands};
 N = 37 so the last row tile is partial; K of one and two super-blocks (K-quants) or three blocks (MXFP4).
 Outputs are poisoned: torch.empty, which the launchers allocate with, fills with NaN here, so an element the
 kernel never wrote fails the finiteness check. Runs under TRITON_INTERPRET=1 without a GPU (no bf16 there:
@@ -20,8 +21,14 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 import pytest  # noqa: E402
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize  # noqa: E402
-from vegaserve.triton_kernels.layout import canonical, repack  # noqa: E402
-from vegaserve.triton_kernels.matmul import SUPPORTED, gemm, matvec, reference_matmul  # noqa: E402
+from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical  # noqa: E402
+from vegaserve.triton_kernels.matmul import (  # noqa: E402
+    SUPPORTED,
+    dense_gemm,
+    dequantize_dense,
+    reference_matmul,
+    tile_matvec,
+)
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,21 +54,24 @@ def make(type_name: str, k: int, layout, seed: int):
 
 @LAYOUTS
 @pytest.mark.parametrize("type_name,k", CASES)
-def test_matvec_matches_reference(type_name, k, layout):
+def test_tile_matvec_matches_reference(type_name, k, layout):
     w, gen = make(type_name, k, layout, 10 + k)
     for m in (1, 3, 8):
         x = torch.randn(m, k, generator=gen).to(DEVICE)
-        assert rel_err(matvec(x, w, block_n=16), reference_matmul(x, w)) < 1e-5
+        assert rel_err(tile_matvec(x, w, block_n=16), reference_matmul(x, w)) < 1e-5
 
 
 @LAYOUTS
 @pytest.mark.parametrize("type_name,k", CASES)
-def test_gemm_matches_reference_f32_and_fp16_operands(type_name, k, layout):
+def test_prefill_dequantizes_exactly_and_matches_reference_f32_and_fp16_operands(type_name, k, layout):
     w, gen = make(type_name, k, layout, 20 + k)
+    n = w.n
+    assert torch.equal(dequantize_dense(w, dtype=torch.float32, block_n=16).cpu(),
+                       dequantize(unpack_to_canonical(w).reshape(-1).cpu(), w.type_id, (n, k)))
     x = torch.randn(17, k, generator=gen).to(DEVICE)
     ref = reference_matmul(x, w)
-    assert rel_err(gemm(x, w, block_m=16, block_n=16), ref) < 1e-5
-    assert rel_err(gemm(x.half(), w, out_dtype=torch.float32, block_m=16, block_n=16), ref) < 3e-3
+    assert rel_err(dense_gemm(x, w), ref) < 1e-5
+    assert rel_err(dense_gemm(x.half(), w).float(), ref) < 3e-3
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
@@ -70,8 +80,8 @@ def test_two_super_blocks_per_tile_match_the_reference_too(type_name):
     w, gen = make(type_name, 512, repack, 30)
     x = torch.randn(17, 512, generator=gen).to(DEVICE)
     ref = reference_matmul(x, w)
-    assert rel_err(matvec(x[:2], w, block_n=16, nb=16), ref[:2]) < 1e-5
-    assert rel_err(gemm(x, w, block_m=16, block_n=16, nb=16), ref) < 1e-5
+    assert rel_err(tile_matvec(x[:2], w, block_n=16, nb=16), ref[:2]) < 1e-5
+    assert rel_err(x @ dequantize_dense(w, dtype=torch.float32, block_n=16, nb=16).T, ref) < 1e-5
 
 
 def test_mxfp4_extreme_exponents_dequantize_exactly():
@@ -80,8 +90,8 @@ def test_mxfp4_extreme_exponents_dequantize_exactly():
     raw = random_blocks(tid, 5, 8, torch.Generator().manual_seed(40))
     raw.view(5, 8, 17)[:, :, 0] = torch.tensor([0, 1, 2, 3, 100, 127, 130, 140], dtype=torch.uint8)
     w = canonical(raw.to(DEVICE), tid, 5, 256)
-    y = gemm(torch.eye(256, device=DEVICE), w, block_m=16, block_n=16, nb=8)
-    assert torch.equal(y.T.cpu(), dequantize(raw, tid, (5, 256)))  # == on floats: the dot turns -0 into +0
+    y = dequantize_dense(w, dtype=torch.float32, block_n=16, nb=8)
+    assert torch.equal(y.cpu(), dequantize(raw, tid, (5, 256)))
 
 
 def test_kquants_and_mxfp4_have_kernels():

@@ -1,0 +1,152 @@
+"""The linear layer's GPU strategy (engine/layers/linear.py, TritonMethod) on the decode mat-vec: each matrix
+runs the kernel its tuning entry names, chosen once at load (layer.tuned); matrices of one activation share
+its q8_1 copy (GGML_CUDA_Q8_1_CACHE) or, with the cache off, quantize their own, with the same outputs; at
+one row the int8 matrices write their columns of one output. Under the interpreter on a CPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vegaserve.engine.gguf_file import ModelLoadError, TensorInfo
+from vegaserve.engine.layers import linear
+from vegaserve.engine.layers.linear import QuantLinear, TritonMethod, WeightSource
+from vegaserve.triton_kernels import matvec_int8, matvec_mma, matvec_pieces, q8_1
+from vegaserve.triton_kernels.dequant import GGML_TYPES
+from vegaserve.triton_kernels.matvec import KERNELS, Choice, reference_matvec
+from vegaserve.triton_kernels.quants.random_blocks import random_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IDS = {s.name: t for t, s in GGML_TYPES.items()}
+
+
+def _sources(gen: torch.Generator, k: int, mats: list[tuple[str, int]]) -> list[WeightSource]:
+    """WeightSources of random matrices of (type, rows) and k columns, stacked in that order."""
+    sources = []
+    for name, rows in mats:
+        tid = IDS[name]
+        raw = random_blocks(tid, rows, k // GGML_TYPES[tid].block_size, gen).to(DEVICE)
+        info = TensorInfo(name, tid, name, (rows, k), raw.numel(), 0, 0)
+        sources.append(WeightSource(info, raw.reshape(-1), "t.gguf"))
+    return sources
+
+
+def _layer(tmp_path, table: dict, sources: list[WeightSource], k: int, name: str = "t.json", **method) -> QuantLinear:
+    f = tmp_path / name
+    f.write_text(json.dumps(table))
+    layer = QuantLinear(k, [s.info.shape[0] for s in sources], TritonMethod(tuning_file=str(f), **method))
+    layer.load(sources, torch.device(DEVICE))
+    return layer
+
+
+def _cpu(w):
+    return replace(w, data=w.data.cpu())
+
+
+def _count_launches(monkeypatch) -> list[str]:
+    """Each kernel's launch recorded by name (patched before a layer's load, which keeps the kernel it chose)."""
+    calls: list[str] = []
+    for name, kernel in list(KERNELS.items()):
+        monkeypatch.setitem(KERNELS, name, replace(kernel, launch=lambda *a, _n=name, _k=kernel: calls.append(_n)
+                                                   or _k.launch(*a)))
+    return calls
+
+
+def _count_quantizes(monkeypatch) -> list[str]:
+    """Each q8_1 quantize of x recorded by who made it: the layer (for all its matrices) or a kernel's
+    launcher (for its own)."""
+    made: list[str] = []
+    real = q8_1.quantize_q8_1
+    for module, who in ((q8_1, "layer"), (matvec_int8, "int8"), (matvec_pieces, "pieces"), (matvec_mma, "lanes")):
+        monkeypatch.setattr(module, "quantize_q8_1", lambda x, _w=who: made.append(_w) or real(x))
+    return made
+
+
+def test_the_tuning_file_picks_each_matrixs_kernel_and_the_layer_runs_it(tmp_path, monkeypatch):
+    """Q4_0, Q8_0 and Q4_K stacked: Q4_0's entry names the lanes kernel, Q4_K's the pieces kernel at one row
+    and the int8 kernel above, Q8_0 has none (the tile kernel, the fallback). layer.tuned holds each
+    matrix's choice for 1..8 rows, each kernel runs once a call, each part equals its kernel's reference;
+    a q8_1 copy of x handed over (as the norm before writes it) is used, not made again."""
+    calls = _count_launches(monkeypatch)
+    table = {"matvec": {"Q4_0": {"small": {"8": {"kernel": "lanes", "block_n": 16, "nb": 2, "num_warps": 1}}},
+                        "Q4_K": {"any": {"1": {"kernel": "pieces", "block_n": 8},
+                                         "8": {"kernel": "int8", "block_n": 8}}}}}
+    gen = torch.Generator().manual_seed(0)
+    k = 256
+    layer = _layer(tmp_path, table, _sources(gen, k, [("Q4_0", 24), ("Q8_0", 24), ("Q4_K", 24)]), k)
+    assert [[c.kernel.name for c in by_m] for by_m in layer.tuned] == [
+        ["lanes"] * 8, ["tiles"] * 8, ["pieces"] + ["int8"] * 7]
+    assert all(isinstance(c, Choice) for by_m in layer.tuned for c in by_m)
+    assert layer.tuned[0][2].params["block_n"] == 16 and layer.tuned[0][2].params["nb"] == 2
+    for m, kernels in ((3, ["int8", "lanes", "tiles"]), (1, ["lanes", "pieces", "tiles"])):
+        calls.clear()
+        x = torch.randn(m, k, generator=gen)
+        y = layer(x.to(DEVICE)).cpu().double()
+        assert sorted(calls) == kernels
+        for part, w, by_m in zip(y.split(24, dim=-1), layer.packed, layer.tuned, strict=True):
+            ref = reference_matvec(x, _cpu(w), by_m[m - 1])
+            assert float((part - ref).norm() / ref.norm()) < 1e-5, by_m[m - 1].kernel.name
+    assert layer.wants_q8_1(3) and not layer.wants_q8_1(9)
+    x = torch.randn(3, k, generator=gen).to(DEVICE)
+    y = layer(x)
+    made = _count_quantizes(monkeypatch)
+    assert torch.equal(layer(x, q8_1.quantize_q8_1(x)), y) and made == ["layer"]  # the copy handed over only
+
+
+def test_one_row_through_stacked_int8_matrices_of_two_types_needs_no_cat(tmp_path, monkeypatch):
+    """Q4_K q/k with a Q6_K v (the Q4_K_M mix): at one row each int8 mat-vec writes its columns of the
+    layer's output in place (no torch.cat), and each part equals the reference product on the same q8_1
+    activation; at two rows the outputs are concatenated, with the same values per row."""
+    gen = torch.Generator().manual_seed(5)
+    k = 256
+    table = {"matvec": {name: {"any": {"8": {"kernel": "int8", "block_n": 8}}} for name in ("Q4_K", "Q6_K")}}
+    layer = _layer(tmp_path, table, _sources(gen, k, [("Q4_K", 16), ("Q4_K", 8), ("Q6_K", 8)]), k)
+    assert [w.type_name for w in layer.packed] == ["Q4_K", "Q6_K"]
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(linear.torch, "cat", lambda *a, **kw: cats.append(1) or real_cat(*a, **kw))
+    x = torch.randn(2, k, generator=gen).to(DEVICE)
+    one = layer(x[:1])
+    assert not cats and one.shape == (1, 32)
+    both = layer(x)
+    assert cats and both.shape == (2, 32)
+    for rows, y in ((1, one), (2, both)):
+        for part, w, by_m in zip(y.split([24, 8], dim=-1), layer.packed, layer.tuned, strict=True):
+            ref = reference_matvec(x[:rows].cpu(), _cpu(w), by_m[rows - 1])
+            assert float((part.cpu().double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_q8_1_cache_off_quantizes_per_matrix_and_gives_the_same_outputs(tmp_path, monkeypatch):
+    """GGML_CUDA_Q8_1_CACHE: on, x is quantized once a layer call for all its int8 matrices (q/k/v as Q4_K
+    and Q6_K) and the op before may hand that copy over (wants_q8_1); off, no copy is asked for and each
+    int8 matrix's launcher quantizes x itself. The same q8_1 either way, so the same outputs bit for bit,
+    at one row (the columns written in place; pieces and int8) and at three (int8 and lanes)."""
+    table = {"matvec": {"Q4_K": {"any": {"1": {"kernel": "pieces", "block_n": 8},
+                                         "8": {"kernel": "int8", "block_n": 8}}},
+                        "Q6_K": {"any": {"1": {"kernel": "int8", "block_n": 8},
+                                         "8": {"kernel": "lanes", "block_n": 16, "num_warps": 1}}}}}
+    k = 256
+    sources = _sources(torch.Generator().manual_seed(7), k, [("Q4_K", 16), ("Q4_K", 8), ("Q6_K", 8)])
+    layers = {cache: _layer(tmp_path, table, sources, k, f"t{int(cache)}.json", q8_1_cache=cache)
+              for cache in (True, False)}
+    made = _count_quantizes(monkeypatch)
+    for m in (1, 3):
+        assert layers[True].wants_q8_1(m) and not layers[False].wants_q8_1(m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(8 + m)).to(DEVICE)
+        made.clear()
+        shared = layers[True](x)
+        assert made == ["layer"]
+        made.clear()
+        own = layers[False](x)
+        assert sorted(made) == sorted(c[m - 1].kernel.name for c in layers[False].tuned)  # one per int8 matrix
+        assert torch.equal(shared, own)
+
+
+def test_a_tuning_entry_its_kernel_cannot_serve_fails_the_model_load_naming_the_file(tmp_path):
+    table = {"matvec": {"Q5_K": {"any": {"1": {"kernel": "int8"}}}}}
+    sources = _sources(torch.Generator().manual_seed(9), 256, [("Q5_K", 16)])
+    with pytest.raises(ModelLoadError, match=r"t\.json.*names kernel 'int8', which does not serve Q5_K"):
+        _layer(tmp_path, table, sources, 256)

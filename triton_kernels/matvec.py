@@ -1,0 +1,117 @@
+"""The decode mat-vec, one entry point for every weight type and layout: y[M, N] = x[M, K] @ W[N, K]^T for
+1 <= M <= 8 rows of x (decode and speculative verify), y f32.
+
+The kernels that ship behind it (`KERNELS`); which one serves a (type, shape, rows), and with what launch
+parameters, is data: the tuning file names it per entry (tuning.py), `choose` reads that once per matrix
+at load, and `matvec` launches it per step.
+  tiles   matmul.tile_matvec: tiles dequantized in registers, f32 FMA; every type, either layout. Every
+          backend's fallback, and the kernel of the types no int8 kernel serves.
+  int8    matvec_int8.py: x quantized to q8_1 once (its copy shared by every matrix that reads x), four
+          int8 products an instruction (dp4a, v_dot4); Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q6_K repacked.
+  pieces  matvec_pieces.py: Q4_K and Q6_K with each row's loads along it (int8 products, as int8).
+  lanes   matvec_mma.py: one mma.sync (int8) a block and 16 rows, each lane building its operands; the
+          int8 types on NVIDIA sm_80 and later.
+Torch references: matmul.reference_matmul (dequant(W) @ x in float64), and for the kernels on x's q8_1
+form matvec_int8.reference_matvec_q8_1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from vegaserve.triton_kernels import matvec_int8, matvec_launch, matvec_mma, matvec_pieces
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matmul import SUPPORTED, tile_matvec
+from vegaserve.triton_kernels.q8_1 import Q8_1
+from vegaserve.triton_kernels.tuning import Tuning, load_tuning
+
+# (type id, n, k, m, the device's SMs and warp size) -> launch parameters
+Rule = Callable[[int, int, int, int, int, int], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class MatvecKernel:
+    name: str
+    types: frozenset[int]  # the weight types it serves
+    canonical: bool  # reads GGUF's canonical blocks (--no-repack) as well as the repacked layout
+    int8: bool  # multiplies x's q8_1 copy (the op before x may hand it over)
+    launch: Callable[..., torch.Tensor]  # (x, w, params, q8_1, out) -> y
+    rule: Rule  # launch parameters an entry leaves out
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: MatvecKernel
+    params: dict[str, int]
+
+
+def _tiles(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    y = tile_matvec(x, w, **params)
+    return y if out is None else out.copy_(y)
+
+
+def _tiles_rule(type_id: int, n: int, k: int, m: int, sms: int, warp: int) -> dict[str, int]:
+    return {"block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4}
+
+
+def _lanes_rule(type_id: int, n: int, k: int, m: int, sms: int, warp: int) -> dict[str, int]:
+    """64 rows on 2 warps, a super-block (8 blocks) a tile, the sweep's smaller split."""
+    return next(c for c in matvec_mma.candidates(type_id, n, k, sms) if c["block_n"] == 64 and c["num_warps"] == 2)
+
+
+KERNELS: dict[str, MatvecKernel] = {
+    "tiles": MatvecKernel("tiles", SUPPORTED, True, False, _tiles, _tiles_rule),
+    "int8": MatvecKernel("int8", matvec_int8.TYPES, False, True, matvec_int8.matvec_int8, matvec_launch.rule),
+    "pieces": MatvecKernel("pieces", matvec_pieces.TYPES, False, True, matvec_pieces.matvec_pieces,
+                           matvec_launch.rule),
+    "lanes": MatvecKernel("lanes", matvec_mma.TYPES, False, True, matvec_mma.matvec_lanes, _lanes_rule),
+}
+
+
+@lru_cache(maxsize=8)
+def _device_shape(device: torch.device) -> tuple[int, int]:
+    """(SMs or CUs, warp size) the rules size launches for; an H200's on a CPU (tests, offline compiles)."""
+    if device.type != "cuda":
+        return 132, 32
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "warp_size", 32)
+
+
+def choose(w: PackedWeight, m: int, tuning: Tuning | None = None) -> Choice:
+    """The kernel and launch parameters of `w` at m rows: the tuning file's entry over the kernel's rule."""
+    tuning = tuning or load_tuning()
+    entry = tuning.matvec(w.type_name, w.n, w.k, m, w.repacked)
+    name = entry.get("kernel", "tiles")
+    kernel = KERNELS.get(name)
+    where = f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} entry at {m} rows"
+    if kernel is None:
+        raise ValueError(f"{where} names kernel {name!r}; the kernels are {', '.join(KERNELS)}")
+    if w.type_id not in kernel.types or not (w.repacked or kernel.canonical):
+        layout = "repacked" if w.repacked else "canonical"
+        raise ValueError(f"{where} names kernel {name!r}, which does not serve {w.type_name} ({layout})")
+    if kernel.name == "lanes" and w.data.device.type == "cuda" and not matvec_mma.has_matrix_units(w.data.device):
+        raise ValueError(f"{where} names kernel 'lanes', which takes NVIDIA's int8 matrix units (sm_80 and later)")
+    rule = kernel.rule(w.type_id, w.n, w.k, m, *_device_shape(w.data.device))
+    return Choice(kernel, {**rule, **{key: v for key, v in entry.items() if key != "kernel"}})
+
+
+def matvec(x: torch.Tensor, w: PackedWeight, choice: Choice | None = None, q8_1: Q8_1 | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] -> y [M, N] f32 with `choice` (default: the tuning file's); q8_1: x's q8_1 copy for an
+    int8 kernel where the op before wrote it; out: where y goes (f32 [M, N]; at one row any column slice
+    of a wider output)."""
+    choice = choice or choose(w, x.shape[0])
+    return choice.kernel.launch(x, w, choice.params, q8_1, out)
+
+
+def reference_matvec(x: torch.Tensor, w: PackedWeight, choice: Choice) -> torch.Tensor:
+    """What `matvec` computes with `choice`, in float64: on x's q8_1 form for the int8 kernels."""
+    if choice.kernel.int8:
+        q, d, _ = matvec_int8.quantize_q8_1(x.float())
+        return matvec_int8.reference_matvec_q8_1(q, d, w)
+    return matvec_int8.reference_matmul(x, w)

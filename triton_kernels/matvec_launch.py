@@ -1,0 +1,138 @@
+"""Launch planning shared by the word-tile decode mat-vecs (the `int8`, `pieces` and `lanes` kernels): the
+fixed launch rule, the candidates a sweep times, and a launch's K split, grid and outputs.
+
+Tiles: a program owns BLOCK_N rows and one K split; a tile is NB blocks (for the K-quants, super-blocks)
+of every row, loaded as 16-byte groups (a thread's vector load). The K split holds whole tiles, and a
+tile divides the row's blocks (matmul.tile_split, which the tile kernel shares). Split-K programs add
+their partials in a fixed order through per-tile arrival counts (flat_words.store_rows): no atomics on the
+result, the same sum on every run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from vegaserve.triton_kernels.dequant import GGMLType as T
+from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.matmul import divisor_at_most, tile_split
+
+# type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile)
+GEOMETRY = {T.Q8_0: (32, 1, 32), T.Q4_0: (32, 1, 16), T.IQ4_NL: (32, 1, 16), T.MXFP4: (32, 1, 16),
+            T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48)}
+
+# The fixed rule (`candidates` is what a sweep decides among):
+# - groups per tile: 16 for Q4_0, 8 for the others, so a row's tile is 256-512 bytes. With 4 warps G stays
+#   below 32: Triton re-materialises an activation tensor [G, 4] of 128 elements or more through shared
+#   memory on every load.
+# - rows per thread: 4 (its activation vectors serve 4 rows); 2 for the K-quants at M > 1 (4 spilled on
+#   sm_90).
+# - 4 warps; a wave64 target (gfx906) puts twice the rows in a warp, so block_n doubles there.
+# - split K while a SM's rows (N * split / SMs) times the bytes of a tile row stay under 24 KiB in flight
+#   (a SM's share of 4.25 TB/s for ~1 us of latency is ~32 KB) and every split keeps 2 tiles.
+_WARPS, _IN_FLIGHT = 4, 24 * 1024
+
+
+def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
+    qk, _, bpg = GEOMETRY[type_id]
+    groups = 16 if bpg == 16 else 8
+    rows = 2 if qk == 256 and m > 1 else 4
+    return _config(type_id, n, k, groups, rows, _WARPS, warp_size, sm_count)
+
+
+def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> list[dict[str, int]]:
+    """The rule and its neighbours, one knob each: split-K doubled and halved; at M = 1 also the other
+    group count, half and (32-element types) twice the rows per thread, and 8 warps. At M > 1 only
+    split-K varies for the K-quants: each of their M = 8 kernels takes Triton many seconds to compile."""
+    base = rule(type_id, n, k, m, sm_count, warp_size)
+    qk, gpb, _ = GEOMETRY[type_id]
+    groups = base["nb"] * 32 // qk * gpb
+    rows = base["block_n"] * groups // (warp_size * base["num_warps"])
+    out = [base, {**base, "split_k": base["split_k"] * 2}]
+    if base["split_k"] > 1:
+        out.append({**base, "split_k": base["split_k"] // 2})
+    variants = []  # (groups, rows per thread, warps)
+    if m == 1:
+        variants = [(24 - groups, rows, _WARPS), (groups, rows // 2, _WARPS), (groups, rows, 2 * _WARPS)]
+        if qk == 32:
+            variants.append((groups, 2 * rows, _WARPS))
+    elif qk == 32:
+        variants.append((groups, rows // 2, _WARPS))
+    out += [_config(type_id, n, k, g, r, w, warp_size, sm_count) for g, r, w in variants if r >= 1]
+    return unique(out)
+
+
+def unique(configs: list[dict[str, int]]) -> list[dict[str, int]]:
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in configs)]
+
+
+def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, warp_size: int,
+            sm_count: int) -> dict[str, int]:
+    """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
+    qk, gpb, bpg = GEOMETRY[type_id]
+    blocks = divisor_at_most(k // qk, max(1, groups // gpb))
+    groups = blocks * gpb
+    block_n = max(8, min(256, rows * warp_size * warps // groups))
+    iters = (k // qk) // blocks
+    split = 1
+    while n * split * groups * bpg < _IN_FLIGHT * sm_count and iters // (2 * split) >= 2:
+        split *= 2
+    return {"block_n": block_n, "nb": blocks * qk // 32, "num_warps": warps, "split_k": split}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A word-tile mat-vec's launch: parameters, blocks (super-blocks) per tile, per K split, splits."""
+
+    params: dict[str, int]
+    per_tile: int
+    per_split: int
+    split: int
+
+    def grid(self, n: int) -> tuple[int, int]:
+        return triton.cdiv(n, self.params["block_n"]), self.split
+
+    def outputs(self, m: int, n: int, device: torch.device,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The store_rows arguments: partials [split, m, n] (unused at split 1), y [m, n], arrival counts.
+        `out`: y given, f32 [m, n] whose rows lie as store_rows writes them (row stride n; any stride
+        between rows when m is 1, e.g. a column slice of a wider output)."""
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32, device=device)
+        elif (out.shape != (m, n) or out.dtype != torch.float32 or out.device != device
+              or out.stride(1) != 1 or (m > 1 and out.stride(0) != n)):
+            raise ValueError(f"out must be f32 [{m}, {n}] on {device} with rows of unit stride, {n} apart; got "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+        else:
+            y = out
+        if self.split == 1:
+            return y, y, y
+        part = torch.empty(self.split, m, n, dtype=torch.float32, device=device)
+        return part, y, arrival_counts(device, self.grid(n)[0])
+
+
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least n, that split-K programs count into and leave at zero (store_rows). One
+    buffer per device, grown and never freed: a captured graph keeps the address it was captured with."""
+    held = _COUNTS.setdefault(torch.device(device), [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int]) -> Launch:
+    """The checks and the K split of a word-tile kernel's launch of x [M, K] on w with complete params."""
+    M, K = x.shape
+    if K != w.k or not 1 <= M <= 8:
+        raise ValueError(f"{kernel} mat-vec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
+    if not w.repacked:
+        raise ValueError(f"the {kernel} mat-vec reads 16-byte words: the repacked layout (layout.repack) only")
+    if params["block_n"] < 8 or params["block_n"] & (params["block_n"] - 1):
+        # BLOCK_N 2 and 4 gave wrong sums in the tile kernel on an H200
+        raise ValueError(f"block_n must be a power of two >= 8, got {params['block_n']}")
+    return Launch(params, *tile_split(w.type_id, K, params["nb"], params.get("split_k", 1)))
