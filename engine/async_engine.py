@@ -5,8 +5,8 @@ GIL inside its kernels, so the front keeps accepting and streaming while a step 
 add a copy of every output across a pipe for no gain on one host (see docs/ARCHITECTURE.md).
 
 `vegaserve serve` runs the step loop on the main thread (`run_loop`) and uvicorn on a second one: on the
-CPU path, torch's kernels measured 1.7x slower in a thread other than the one that loaded the model
-(SmolLM2 decode 16.6 against 29.5 tokens/s, docs/PERF.md). Tests let the loop start its own thread.
+CPU path, torch's kernels measured 1.7x slower in a thread other than the one that loaded the model.
+Tests let the loop start its own thread.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ class TokenReadback:
     """The drawn tokens' copy to the host, queued on the stream right behind the draw into a pinned buffer,
     with an event after it: result() waits for that event. A plain read (tokens.tolist()) would be queued
     behind everything launched since, and with async decode that is the whole next step: the host would get
-    step N's tokens only when step N+1 had finished, and launch step N+2 while the device sat idle (0.38 ms
-    of a 2.77 ms step of the 8B model on an H200, docs/PERF.md). Two buffers and their events, used in
+    step N's tokens only when step N+1 had finished, and launch step N+2 while the device sat idle (an
+    eighth of an 8B decode step on an H200). Two buffers and their events, used in
     turn; the buffers grow in powers of two and are kept, so a steady state allocates nothing."""
 
     def __init__(self) -> None:
