@@ -1,4 +1,4 @@
-"""Teacher-forced comparison with llama.cpp's outputs on the embedded model (shared/reference/smollm2).
+"""Teacher-forced comparison with llama.cpp's outputs on the embedded model (tests/data/smollm2/greedy.json).
 
 Feeds each prompt plus llama.cpp's greedy completion, and at every generated position compares our argmax
 with llama.cpp's and our log-softmax of llama.cpp's top-5 tokens with its values. Prints a table and JSON.
@@ -17,7 +17,7 @@ import torch
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
 
-DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2"
+DEFAULT_REF = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2"
 
 
 def main() -> None:
