@@ -67,13 +67,19 @@ def test_every_shipped_entry_names_a_kernel_that_serves_its_type_and_layout(path
         assert IDS[type_name] in kernel.types, f"{where}: {kernel.name} does not serve {type_name}"
         if table_name == "matvec_canonical":
             assert kernel.canonical, f"{where}: {kernel.name} does not read canonical blocks"
+    for w, m, choice in _choices(tuning):
+        assert w.type_id in choice.kernel.types
+
+
+def _choices(tuning):
+    """(weight on the meta device, rows, matvec.choose's choice) for every exact shape of the file's tables
+    at 1..8 rows."""
     for table_name in TABLES:
         for type_name, by_shape in tuning.table.get(table_name, {}).items():
             for n, k in _shapes(by_shape):
                 w = _meta_weight(type_name, n, k, table_name == "matvec")
                 for m in range(1, 9):
-                    choice = choose(w, m, tuning)
-                    assert w.type_id in choice.kernel.types
+                    yield w, m, choose(w, m, tuning)
 
 
 # the launch parameters each kernel's launcher reads
@@ -93,18 +99,13 @@ def test_every_shipped_entry_is_a_launch_its_kernel_takes(path):
     for table_name, type_name, shape, m, found in _entries(tuning.table):
         extra = set(found) - {"kernel"} - PARAMETERS[found["kernel"]]
         assert not extra, f"{path.name} {table_name} {type_name} {shape} {m}: {sorted(extra)}"
-    for table_name in TABLES:
-        for type_name, by_shape in tuning.table.get(table_name, {}).items():
-            for n, k in _shapes(by_shape):
-                w = _meta_weight(type_name, n, k, table_name == "matvec")
-                for m in range(1, 9):
-                    choice = choose(w, m, tuning)
-                    params = choice.params
-                    assert params["block_n"] >= 8 and params["block_n"] & (params["block_n"] - 1) == 0
-                    if choice.kernel.name != "tiles":
-                        plan(choice.kernel.name, torch.empty(m, k, device="meta"), w, params)
-                    if choice.kernel.name == "lanes":
-                        assert params["block_n"] % (16 * params["num_warps"]) == 0, (type_name, n, k, m, params)
+    for w, m, choice in _choices(tuning):
+        params = choice.params
+        assert params["block_n"] >= 8 and params["block_n"] & (params["block_n"] - 1) == 0
+        if choice.kernel.name != "tiles":
+            plan(choice.kernel.name, torch.empty(m, w.k, device="meta"), w, params)
+        if choice.kernel.name == "lanes":
+            assert params["block_n"] % (16 * params["num_warps"]) == 0, (w.type_name, w.n, w.k, m, params)
 
 
 def test_every_shipped_kernel_is_selected_by_a_tuning_file_or_the_fallback():
