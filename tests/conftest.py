@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +19,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# llama.cpp's outputs on the embedded model: shared/ lies beside the checkout (here and in CI)
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2"
+# llama.cpp's outputs on the embedded model; each file's "source" names the build that wrote it
+REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "smollm2"
+
+
+def llama_cpp_reference(name: str) -> Any:
+    """`tests/data/smollm2/{name}.json`, parsed: the one place a test reads llama.cpp's outputs from."""
+    return json.loads((REFERENCE_DIR / f"{name}.json").read_text())
+
+
+LLAMA_CPP_STRINGS = llama_cpp_reference("tokenization")["strings"]
 
 
 def load_test_module(name: str) -> ModuleType:
@@ -60,3 +70,21 @@ def hf_smollm2() -> Iterator[torch.nn.Module]:
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     yield model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_strings() -> list[dict[str, Any]]:
+    """The strings llama.cpp tokenized on the embedded model, each `{"text", "ids"}`."""
+    return LLAMA_CPP_STRINGS
+
+
+@pytest.fixture(params=LLAMA_CPP_STRINGS, ids=lambda case: repr(case["text"]))
+def llama_cpp_string(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One of those strings: a test taking it runs once per string."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_chat() -> dict[str, Any]:
+    """llama.cpp's chat prompt on the embedded model: `messages`, `rendered_prompt` and its `prompt_ids`."""
+    return llama_cpp_reference("chat")

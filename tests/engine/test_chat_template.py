@@ -7,15 +7,13 @@ import importlib.util
 import json
 import os
 from datetime import datetime
-from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 
 from vegaserve.engine.chat_template import ChatTemplate
 from vegaserve.engine.request import InvalidRequestError
-
-CHAT = json.loads((Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2" / "chat.json").read_text())
 
 
 def smollm2_path() -> str:
@@ -35,16 +33,19 @@ def smollm_template() -> ChatTemplate:
     )
 
 
-def test_smollm2_template_renders_llama_cpp_prompt_byte_for_byte(smollm_template: ChatTemplate) -> None:
-    assert smollm_template.render(CHAT["messages"], add_generation_prompt=True) == CHAT["rendered_prompt"]
+def test_smollm2_template_renders_llama_cpp_prompt_byte_for_byte(
+    smollm_template: ChatTemplate, llama_cpp_chat: dict[str, Any]
+) -> None:
+    rendered = smollm_template.render(llama_cpp_chat["messages"], add_generation_prompt=True)
+    assert rendered == llama_cpp_chat["rendered_prompt"]
 
 
 def test_default_chatml_matches_smollm2_template_when_a_system_message_is_given(
-    smollm_template: ChatTemplate,
+    smollm_template: ChatTemplate, llama_cpp_chat: dict[str, Any]
 ) -> None:
     # SmolLM2's template is ChatML plus a default system prompt, which it adds only when none is given.
     system, reply = {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Paris."}
-    messages = [system, *CHAT["messages"], reply]
+    messages = [system, *llama_cpp_chat["messages"], reply]
     for gen in (True, False):
         assert ChatTemplate.default().render(messages, gen) == smollm_template.render(messages, gen)
 

@@ -4,19 +4,15 @@ back until decided, first occurrence wins, independent of how the stream is chun
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
-from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 
 from vegaserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from vegaserve.engine.tokenizer import Tokenizer
-
-TOKENIZATION = json.loads((Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2" / "tokenization.json").read_text())["strings"]
-UNICODE_CASE = next(c for c in TOKENIZATION if any(ord(ch) > 0x7F for ch in c["text"]))
 
 
 def smollm2_path() -> str:
@@ -38,8 +34,11 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
 # -- IncrementalDetokenizer ---------------------------------------------------------------------------------
 
 
-def test_streaming_unicode_ids_gives_whole_characters_that_join_to_decode(smollm: Tokenizer) -> None:
-    ids = UNICODE_CASE["ids"]
+def test_streaming_unicode_ids_gives_whole_characters_that_join_to_decode(
+    smollm: Tokenizer, llama_cpp_strings: list[dict[str, Any]]
+) -> None:
+    case = next(c for c in llama_cpp_strings if any(ord(ch) > 0x7F for ch in c["text"]))
+    ids = case["ids"]
     # The case is only a test of holding back if some token carries part of a character.
     assert any(not _is_utf8(smollm.token_bytes(i)) for i in ids)
     chunks = stream(IncrementalDetokenizer(smollm), ids)
@@ -47,11 +46,13 @@ def test_streaming_unicode_ids_gives_whole_characters_that_join_to_decode(smollm
         chunk.encode("utf-8")  # no lone surrogates
         assert "\ufffd" not in chunk
     assert "" in chunks[:-1]  # a push that completed no character emitted nothing
-    assert "".join(chunks) == smollm.decode(ids) == UNICODE_CASE["text"]
+    assert "".join(chunks) == smollm.decode(ids) == case["text"]
 
 
-def test_every_reference_string_streams_to_its_decode(smollm: Tokenizer) -> None:
-    for case in TOKENIZATION:
+def test_every_reference_string_streams_to_its_decode(
+    smollm: Tokenizer, llama_cpp_strings: list[dict[str, Any]]
+) -> None:
+    for case in llama_cpp_strings:
         assert "".join(stream(IncrementalDetokenizer(smollm), case["ids"])) == smollm.decode(case["ids"])
 
 
