@@ -26,7 +26,7 @@ import torch
 from vegaserve.triton_kernels import matvec_int8, matvec_launch, matvec_mma, matvec_pieces
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import SUPPORTED, tile_matvec
-from vegaserve.triton_kernels.q8_1 import Q8_1
+from vegaserve.triton_kernels.q8_1 import Q8_1, reference_quantize_q8_1
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
 
 # (type id, n, k, m, the device's SMs and warp size) -> launch parameters
@@ -112,6 +112,6 @@ def matvec(x: torch.Tensor, w: PackedWeight, choice: Choice | None = None, q8_1:
 def reference_matvec(x: torch.Tensor, w: PackedWeight, choice: Choice) -> torch.Tensor:
     """What `matvec` computes with `choice`, in float64: on x's q8_1 form for the int8 kernels."""
     if choice.kernel.int8:
-        q, d, _ = matvec_int8.quantize_q8_1(x.float())
+        q, d, _ = reference_quantize_q8_1(x)
         return matvec_int8.reference_matvec_q8_1(q, d, w)
     return matvec_int8.reference_matmul(x, w)

@@ -5,8 +5,8 @@ codes q, the scale d and d * sum(q), as ggml's quantize_row_q8_1 and gguf's Q8_0
 `quantize_q8_1` is one launch over x; `store_q8_1` (a run of blocks) and `store_q8_1_blocks` (any blocks)
 are the same quantization inside another kernel, which writes the q8_1 copy of an output it has just
 computed (fused.py: RMSNorm and SiLU-mul; attention_decode.py: the attention's output), so a decode layer
-spends no launch on it. Torch reference: gguf.quants' Q8_0 quantizer (the codes and scales element for
-element; tests/triton_kernels/test_matvec_int8.py).
+spends no launch on it. Torch reference: `reference_quantize_q8_1`, which gguf.quants' Q8_0 quantizer
+matches code for code and scale for scale (tests/triton_kernels/test_matvec_int8.py).
 """
 
 from __future__ import annotations
@@ -62,6 +62,18 @@ def q8_1_buffers(M: int, K: int, device: torch.device) -> Q8_1:
     q = torch.empty(M, K, dtype=torch.int8, device=device)
     d = torch.empty(M, K // 32, dtype=torch.float32, device=device)
     return q, d, torch.empty_like(d)
+
+
+def reference_quantize_q8_1(x: torch.Tensor) -> Q8_1:
+    """quantize_q8_1 in torch: the same arithmetic (d = amax / 127 in f32, x times the correctly rounded
+    1 / d, rounded half away from zero), on any device."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    v = xb * inv[..., None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))
+    return q.to(torch.int8).reshape(M, K), d, d * q.sum(-1)
 
 
 def quantize_q8_1(x: torch.Tensor) -> Q8_1:

@@ -104,11 +104,13 @@ def test_k_quant_repack_round_trips_with_one_head_record_per_super_block(type_na
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 operands need a GPU (the interpreter has no bf16)")
 @pytest.mark.parametrize("type_name", LEGACY)
 def test_prefill_bf16_operands_on_gpu(type_name):
+    """bf16 keeps 8 significant bits: x, the dense copy of W and the output are each rounded (about 2^-9
+    relative each), so the product is checked to 5e-3."""
     from vegaserve.triton_kernels.matmul import dense_gemm
 
     w, gen = make(type_name, 37, 96, repack, 5)
     x = torch.randn(17, 96, generator=gen).to(DEVICE)
-    assert rel_err(dense_gemm(x.bfloat16(), w).float(), reference_matmul(x.cpu(), _cpu(w))) < 3e-3
+    assert rel_err(dense_gemm(x.bfloat16(), w).float(), reference_matmul(x.cpu(), _cpu(w))) < 5e-3
 
 
 def test_every_served_legacy_type_has_a_kernel():

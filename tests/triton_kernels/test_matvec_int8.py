@@ -19,7 +19,7 @@ from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_int8 import TYPES, candidates, kernel_for, matvec_int8, reference_matvec_q8_1
 from vegaserve.triton_kernels.matvec_launch import arrival_counts
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
-from vegaserve.triton_kernels.q8_1 import quantize_q8_1
+from vegaserve.triton_kernels.q8_1 import quantize_q8_1, reference_quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,13 +31,16 @@ BLOCK_TYPES = ["Q8_0", "Q4_0", "IQ4_NL", "MXFP4"]  # one scale a block of 32: _l
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
-def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element():
+@pytest.mark.parametrize("quantize", [quantize_q8_1, reference_quantize_q8_1], ids=["kernel", "torch"])
+def test_q8_1_quantizer_equals_gguf_q8_0_element_for_element(quantize):
+    """The kernel and its torch reference (which the int8 kernels' references quantize with) both give
+    gguf's Q8_0 codes and scales."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 256, generator=gen) * torch.rand(3, 256, generator=gen) * 4
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, quants 0
     x[2, :32] = torch.arange(32) - 15.5  # halves after scaling by 127 / 15.5: ties round away from zero
     x[2, 32:64] = torch.tensor([127.0] + [v + 0.5 for v in range(-16, 15)])  # d = 1: x itself rounded
-    q, d, s = quantize_q8_1(x.to(DEVICE))
+    q, d, s = quantize(x.to(DEVICE))
     ref = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(3, 8, 34)
     ref_d = ref[..., :2].copy().view(np.float16)[..., 0]
     ref_q = ref[..., 2:].copy().view(np.int8).reshape(3, 256)
