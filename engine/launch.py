@@ -117,10 +117,11 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
     topo = plan_topology(config.parallel.split_mode, config.parallel.tensor_parallel_group, n)
     if topo.world_size < n and config.parallel.split_mode != "none":
         log.warning("%d devices visible, %s uses %d", n, topo.describe(), topo.world_size)
-    block = {k: spec_for(gguf.info(f"blk.0.{k}.weight").type_id).block_size for k in ("attn_output", "ffn_down")}
-    for i in range(arch.n_layers):  # the largest block of each, over all layers (mixes differ per layer)
-        for k in block:
-            block[k] = max(block[k], spec_for(gguf.info(f"blk.{i}.{k}.weight").type_id).block_size)
+    # the largest block of each matrix a lane slices by input columns, over all layers (mixes differ per layer)
+    sliced = ("attn_output", "ffn_down_exps" if arch.moe is not None else "ffn_down")
+    block = {k: max(spec_for(gguf.info(f"blk.{i}.{k}.weight").type_id).block_size for i in range(arch.n_layers))
+             for k in sliced}
+    block["ffn_down"] = block.pop(sliced[1])
     check_model_splits(arch, topo, block, str(gguf.path))
     embd = gguf.info("token_embd.weight").n_bytes
     head = gguf.info("output.weight").n_bytes if "output.weight" in gguf else embd

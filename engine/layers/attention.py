@@ -63,17 +63,21 @@ def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, f
 
 def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
-    stored: bool = False, want_q8_1: bool = False,
+    stored: bool = False, want_q8_1: bool = False, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Q8_1 | None]:
     """q: [T, H, D], k/v: [T, KV, D] for the new tokens. Writes k/v to the cache unless `stored` (the
     rotation wrote them, kv_store); returns ([T, H, D], its q8_1 copy [T, H * D] or None). The copy comes
     where `want_q8_1` (the o_proj's QuantLinear.wants_q8_1) and the GPU's decode kernel wrote it with the
-    output, in place of the o_proj's own quantize launch; elsewhere None, and the o_proj quantizes."""
+    output, in place of the o_proj's own quantize launch; elsewhere None, and the o_proj quantizes.
+    window > 0: a query attends to the last `window` positions only (itself included); sinks [H]: one
+    logit per head added to every softmax's denominator (a key that is never attended)."""
     # ROCm builds of torch name HIP devices "cuda" as well; a batch without slot lists (a decode graph's
     # static batch, engine/cuda_graphs.py) has only the kernels' inputs
     if q.device.type == "cuda" or not batch.seqs:
+        if window or sinks is not None:
+            raise NotImplementedError("sliding-window attention and attention sinks on a GPU: not yet")
         return paged_attention(q, k, v, layer, cache, batch, scale, stored, want_q8_1)
-    return torch_attention(q, k, v, layer, cache, batch, scale), None
+    return torch_attention(q, k, v, layer, cache, batch, scale, window, sinks), None
 
 
 def _with_q8_1(out, want_q8_1: bool) -> tuple[torch.Tensor, Q8_1 | None]:
@@ -99,7 +103,8 @@ def paged_attention(
 
 
 def torch_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
+    window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """cached_attention in torch, one sequence at a time: the CPU path."""
     out = torch.empty_like(q)
@@ -114,10 +119,27 @@ def torch_attention(
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
         mask = None
-        if s.n > 1:
-            # query i sits at position start + i and sees keys 0 .. start + i
+        if s.n > 1 or window:
+            # query i sits at position start + i and sees keys 0 .. start + i (the last `window` of them)
             qpos = torch.arange(s.start, end, device=q.device)[:, None]
-            mask = torch.arange(end, device=q.device)[None, :] <= qpos
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            kpos = torch.arange(end, device=q.device)[None, :]
+            mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = _attention_with_sinks(qs, ks, vs, mask, scale, sinks)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                          sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [q k^T, sink] without the sink's column, times v: q [H, n, D], k/v [KV, L, D]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = (q @ k.transpose(1, 2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (p.to(v.dtype) @ v)

@@ -60,6 +60,14 @@ class QuantMethod:
         """Whether apply at m rows multiplies a q8_1 copy of x (then the op before may hand it over)."""
         return False
 
+    def create_experts(self, layer, sources: list[WeightSource]) -> None:
+        """An ExpertLinear's E matrices (engine/layers/moe.py) from GGUF 3-D tensors [E, rows, K]."""
+        raise NotImplementedError
+
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """y[a] = W[ids[a]] x[rows[a]] for each assignment a: [A, N]."""
+        raise NotImplementedError
+
 
 class ReferenceMethod(QuantMethod):
     """Dequantize at load, torch matmul at run time (CPU path; ground truth for the kernels)."""
@@ -77,6 +85,20 @@ class ReferenceMethod(QuantMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def create_experts(self, layer, sources: list[WeightSource]) -> None:
+        e, k = layer.n_experts, layer.in_features
+        parts = [dequantize_source(src, (e, rows, k), self.dtype) for src, rows in zip(sources, layer.output_sizes,
+                                                                                       strict=True)]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(ids.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
+        for e in ids.unique().tolist():  # the experts in use, each over all its assignments
+            sel = (ids == e).nonzero()[:, 0]
+            y[sel] = x[rows[sel]] @ layer.weight[e].T
+        return y
 
 
 class TritonMethod(QuantMethod):

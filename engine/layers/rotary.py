@@ -6,7 +6,8 @@ Only the first `rope_dim` features of a head rotate.
 
 Scalings: linear (positions / factor), per-dimension frequency factors (Llama 3's `rope_freqs.weight`,
 dividing each frequency), and YaRN (blend of interpolated and original frequencies over a ramp between
-the beta_fast / beta_slow correction dimensions, cos/sin scaled by 0.1 ln(factor) + 1).
+the beta_fast / beta_slow correction dimensions, rounded out to whole dimensions as llama.cpp does except
+for gpt-oss, whose reference ramps between the exact ones; cos/sin scaled by 0.1 ln(factor) + 1).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling, freq_factors: to
         def correction_dim(rotations: float) -> float:
             return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
         extrapolate = 1.0 - ramp.clamp(0.0, 1.0)  # 1: keep the original frequency
         inv = (inv / scaling.factor) * (1.0 - extrapolate) + inv * extrapolate

@@ -1,9 +1,11 @@
-"""One decoder for the llama family: llama (Llama 2/3, SmolLM2, Mistral), qwen2 (q/k/v biases) and qwen3
-(per-head RMSNorm on q and k).
+"""One decoder for the llama family: llama (Llama 2/3, SmolLM2, Mistral), qwen2 (q/k/v biases), qwen3
+(per-head RMSNorm on q and k), and their mixture-of-experts forms: qwen3moe, qwen2moe (a shared expert) and
+gpt-oss (biases on q/k/v/o and on the experts, a learned sink logit per head, sliding-window attention on
+every other layer, the experts' clamped SwiGLU).
 
     h = embed(ids)
     for each layer:  h += o_proj(attn(rope(q), rope(k), v))   with q, k, v = qkv_proj(norm(h))
-                     h += down(silu(gate(x)) * up(x))         with x = norm(h)
+                     h += ffn(norm(h))                        dense (layers/mlp.py) or experts (layers/moe.py)
     logits = lm_head(norm(h))                                 lm_head reads token_embd when tied
 
 Many devices (engine/distributed/): a model object holds one rank's share. Its stage's layers only (the
@@ -29,7 +31,9 @@ from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention, kv_store
 from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
-from vegaserve.engine.layers.norm import RMSNorm, silu_mul_q8_1
+from vegaserve.engine.layers.mlp import DenseMLP
+from vegaserve.engine.layers.moe import MoE
+from vegaserve.engine.layers.norm import RMSNorm
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
@@ -46,8 +50,9 @@ class DecoderLayer(nn.Module):
         self.n_heads = cfg.n_heads // tp
         self.n_kv = kv_heads_per_lane(cfg.n_kv_heads, tp)
         self.kv0 = lane_kv_head(cfg.n_heads, cfg.n_kv_heads, tp, lane)
-        self.ffn = cfg.intermediate_size // tp
         self.lane = lane
+        self.window = cfg.window(index)  # keys attended at most, 0: all
+        self.sinks: torch.Tensor | None = None  # [heads] f32, gpt-oss
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -56,11 +61,15 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.gate_up = QuantLinear(cfg.hidden_size, [self.ffn] * 2, method)
-        self.down = QuantLinear(self.ffn, [cfg.hidden_size], method)
+        if cfg.moe is not None:
+            if tp > 1:
+                raise ValueError("mixture-of-experts layers split over tensor-parallel lanes: not yet")
+            self.ffn: DenseMLP | MoE = MoE(cfg.hidden_size, cfg.moe, method)
+        else:
+            self.ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, method, tp, lane)
         self.split = [q_size, kv_size, kv_size]
         self.full_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]  # before slicing
-        self.hidden, self.full_ffn = cfg.hidden_size, cfg.intermediate_size
+        self.hidden = cfg.hidden_size
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
@@ -80,17 +89,22 @@ class DecoderLayer(nn.Module):
         self.qkv.load(
             [slice_rows(w.source(p + f"attn_{n}.weight", (full[n], hidden)), *rows[n]) for n in "qkv"], w.device, biases
         )
-        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight", (hidden, full["q"])), *q_rows)], w.device)
+        # a lane's share of the output bias: all of it on lane 0, whose partial sum the AllReduce adds once
+        o_bias = None
+        if (p + "attn_output.bias") in w:
+            o_bias = [w.vector(p + "attn_output.bias", (hidden,)) * (1.0 if self.lane == 0 else 0.0)]
+        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight", (hidden, full["q"])), *q_rows)], w.device,
+                         o_bias)
+        if (p + "attn_sinks.weight") in w:
+            heads = slice(self.lane * self.n_heads, (self.lane + 1) * self.n_heads)
+            self.sinks = w.vector(p + "attn_sinks.weight", (self.n_heads * self.comm.tp,))[heads]
         if self.q_norm is not None:
             self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (hd,))
             self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (hd,))
-        self.ffn_norm.weight.data = w.vector(p + "ffn_norm.weight", self.ffn_norm.weight.shape)
-        f = (self.lane * self.ffn, self.ffn)
-        up_shape = (self.full_ffn, hidden)
-        self.gate_up.load(
-            [slice_rows(w.source(p + f"ffn_{n}.weight", up_shape), *f) for n in ("gate", "up")], w.device
-        )
-        self.down.load([slice_cols(w.source(p + "ffn_down.weight", (hidden, self.full_ffn)), *f)], w.device)
+        # gpt-oss names the feed-forward's norm after the attention it follows
+        norm = "post_attention_norm.weight" if (p + "post_attention_norm.weight") in w else "ffn_norm.weight"
+        self.ffn_norm.weight.data = w.vector(p + norm, self.ffn_norm.weight.shape)
+        self.ffn.load(w, p)
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +131,10 @@ class DecoderLayer(nn.Module):
             store = kv_store(v, self.cache_layer, cache, batch, 0)
             q, k = rope(q, batch.positions), rope(k, batch.positions, store)
         a, aq = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None,
-                                 want_q8_1=want)
+                                 want_q8_1=want, window=self.window, sinks=self.sinks)
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1), aq)),
-                                             self.gate_up.wants_q8_1(T))
-        return h, self.comm.all_reduce(self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T))))
+                                             self.ffn.wants_q8_1(T))
+        return h, self.comm.all_reduce(self.ffn(x, xq))
 
 
 class LlamaModel(nn.Module):

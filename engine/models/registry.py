@@ -17,6 +17,9 @@ ARCHITECTURES: dict[str, type[LlamaModel]] = {
     "llama": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
+    "qwen3moe": LlamaModel,
+    "qwen2moe": LlamaModel,
+    "gpt-oss": LlamaModel,
 }
 
 

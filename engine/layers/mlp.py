@@ -1,0 +1,40 @@
+"""The dense gated feed-forward: down(silu(gate(x)) * up(x)), gate and up one matmul over their stacked rows.
+
+Under tensor parallelism a lane holds its slice of the intermediate size: gate and up by output rows, down
+by input columns (whole quantization blocks); the lanes' partial outputs meet in the layer's AllReduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vegaserve.engine.distributed.sharding import slice_cols, slice_rows
+from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
+from vegaserve.engine.layers.norm import Q8_1, silu_mul_q8_1
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, method: QuantMethod, tp: int = 1, lane: int = 0) -> None:
+        super().__init__()
+        self.hidden, self.full_ffn = hidden, ffn
+        self.ffn = ffn // tp
+        self.lane = lane
+        self.gate_up = QuantLinear(hidden, [self.ffn] * 2, method)
+        self.down = QuantLinear(self.ffn, [hidden], method)
+
+    def load(self, w, prefix: str) -> None:
+        """`w` a models.weights.WeightLoader; prefix "blk.N."."""
+        f = (self.lane * self.ffn, self.ffn)
+        up_shape = (self.full_ffn, self.hidden)
+        self.gate_up.load([slice_rows(w.source(prefix + f"ffn_{n}.weight", up_shape), *f) for n in ("gate", "up")],
+                          w.device)
+        self.down.load([slice_cols(w.source(prefix + "ffn_down.weight", (self.hidden, self.full_ffn)), *f)], w.device)
+
+    def wants_q8_1(self, m: int) -> bool:
+        """Whether forward at m rows takes x's q8_1 copy (the norm before writes it)."""
+        return self.gate_up.wants_q8_1(m)
+
+    def forward(self, x: torch.Tensor, xq: Q8_1 | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        return self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T)))

@@ -1,0 +1,127 @@
+"""Mixture-of-experts feed-forward: a router picks k of E experts for each token, each expert a gated MLP,
+the token's output their weighted sum; beside them, optionally, a shared expert scaled by a sigmoid gate
+(the qwen2moe layout that qwen35moe and DeepSeek use too).
+
+    logits = x W_r^T (+ b_r)                                              f32, [T, E]
+    softmax gating:       p = softmax(logits), (w, ids) = top-k(p), w /= sum(w) where norm_topk
+    topk_softmax gating:  (l, ids) = top-k(logits), w = softmax(l)                         (gpt-oss)
+    y = sum_j w_j down_e(act(gate_e(x), up_e(x)))                         e = ids_j, [T, H]
+    y += sigmoid(x . w_s) down_s(silu(gate_s(x)) up_s(x))                 shared expert
+One token's k experts are k assignments, a = t * k + j: gate/up read x[a // k], down reads row a of the
+activation, and the k rows of a token are summed with their weights. The expert matrices are ExpertLinear
+layers; how they are stored and multiplied is the quant method's (engine/layers/linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vegaserve.engine.layers.linear import QuantLinear, QuantMethod, WeightSource, check_shape
+from vegaserve.engine.models.arch_config import MoEConfig
+
+
+class ExpertLinear(nn.Module):
+    """E matrices [N, K] (the GGUF 3-D tensors [E, rows, K] of `load`, stacked along the rows: gate and up),
+    y[a] = W[ids[a]] x[rows[a]] (+ b[ids[a]])."""
+
+    def __init__(self, n_experts: int, in_features: int, output_sizes: list[int], method: QuantMethod) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.method = method
+        self.weight: nn.Parameter | None = None  # ReferenceMethod: [E, N, K]
+        self.packed: list = []  # TritonMethod: one PackedWeight of E experts per type
+        self.bias: torch.Tensor | None = None  # [E, N] f32
+        self.device = torch.device("cpu")
+
+    def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:
+        self.device = device
+        for src, rows in zip(sources, self.output_sizes, strict=True):
+            check_shape(src, (self.n_experts, rows, self.in_features))
+        self.method.create_experts(self, sources)
+        if biases is not None:
+            self.bias = torch.cat([b.float() for b in biases], dim=1).to(device)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x [R, K], ids [A] (the expert of each assignment), rows [A] (the row of x it multiplies) -> [A, N]."""
+        y = self.method.apply_experts(self, x, ids, rows)
+        return y if self.bias is None else y + self.bias[ids]
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (f32) -> (weights [T, k] f32, expert ids [T, k] int64)."""
+    if cfg.gating == "topk_softmax":
+        top, ids = torch.topk(logits, cfg.used, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), cfg.used, dim=-1)
+    if cfg.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_act(gate_up: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """[A, 2F] (gate rows, then up rows) -> [A, F]."""
+    g, u = gate_up.chunk(2, dim=-1)
+    if cfg.act == "swiglu_oai":
+        g = g.clamp(max=cfg.limit)
+        return g * torch.sigmoid(cfg.alpha * g) * (u.clamp(-cfg.limit, cfg.limit) + 1.0)
+    return F.silu(g) * u
+
+
+class MoE(nn.Module):
+    """The feed-forward of one layer: router, E experts, and the shared expert where cfg.shared_ff."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, method: QuantMethod) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hidden = hidden
+        self.router = torch.empty(0)  # [E, H] f32
+        self.router_bias: torch.Tensor | None = None
+        self.gate_up = ExpertLinear(cfg.experts, hidden, [cfg.expert_ff] * 2, method)
+        self.down = ExpertLinear(cfg.experts, cfg.expert_ff, [hidden], method)
+        self.shared_gate_up = QuantLinear(hidden, [cfg.shared_ff] * 2, method) if cfg.shared_ff else None
+        self.shared_down = QuantLinear(cfg.shared_ff, [hidden], method) if cfg.shared_ff else None
+        self.shared_gate = torch.empty(0)  # [H] f32
+
+    def load(self, w, prefix: str) -> None:
+        """`w` a models.weights.WeightLoader; prefix "blk.N."."""
+        cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
+        self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden))
+        bias = cfg.biases
+        if bias:
+            self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
+        self.gate_up.load([w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)) for n in ("gate", "up")],
+                          w.device, [w.vector(prefix + f"ffn_{n}_exps.bias", (e, f)) for n in ("gate", "up")]
+                          if bias else None)
+        self.down.load([w.source(prefix + "ffn_down_exps.weight", (e, hidden, f))], w.device,
+                       [w.vector(prefix + "ffn_down_exps.bias", (e, hidden))] if bias else None)
+        if cfg.shared_ff:
+            s = cfg.shared_ff
+            self.shared_gate_up.load([w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)) for n in ("gate", "up")],
+                                     w.device)
+            self.shared_down.load([w.source(prefix + "ffn_down_shexp.weight", (hidden, s))], w.device)
+            name = prefix + "ffn_gate_inp_shexp.weight"  # [1, H] as converted, [H] once llama-quantize wrote it
+            shape = (1, hidden) if w.gguf.info(name).shape == (1, hidden) else (hidden,)
+            self.shared_gate = w.vector(name, shape).reshape(hidden)
+
+    def wants_q8_1(self, m: int) -> bool:
+        return False
+
+    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        """x [T, H] (the normed input) -> [T, H]."""
+        T, k = x.shape[0], self.cfg.used
+        logits = F.linear(x.float(), self.router, self.router_bias)
+        weights, ids = route(logits, self.cfg)
+        a = ids.reshape(-1)
+        assignments = torch.arange(a.shape[0], device=x.device)
+        h = expert_act(self.gate_up(x, a, assignments // k), self.cfg)
+        y = self.down(h, a, assignments).view(T, k, self.hidden)
+        out = (y * weights[..., None]).sum(dim=1)
+        if self.shared_gate_up is not None:
+            shared = self.shared_down(expert_act(self.shared_gate_up(x), self.cfg))
+            out = out + torch.sigmoid(x.float() @ self.shared_gate)[:, None] * shared
+        return out
