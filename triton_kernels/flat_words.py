@@ -75,6 +75,20 @@ def program_rows_at(pn, pk, N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def expert_program(ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K,
+                   XDIV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An expert mat-vec program's operands (program_id(2) = assignment a, one row of x): expert ids[a]'s
+    bytes (layout.stack_experts), row a // XDIV of x's q8_1 form, row a of y [A, N], its partials
+    [A, SPLIT, N] and arrival counts [A, row tiles]."""
+    a = tl.program_id(2)
+    base += tl.load(ids_ptr + a).to(tl.int64) * expert_bytes
+    row = a // XDIV
+    tiles = tl.cdiv(N, BLOCK_N)
+    return (base, xq_ptr + row * (K // 4), dx_ptr + row * (K // 32), sx_ptr + row * (K // 32),
+            part_ptr + a * SPLIT * N, out_ptr + a * N, count_ptr + a * tiles)
+
+
+@triton.jit
 def zero_rows(M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
     """One [BLOCK_N, G] f32 accumulator per activation row."""
     acc = ()

@@ -12,6 +12,10 @@ record a block: HEAD), a plane's rows contiguous and starting at 16-byte aligned
 the record's size; so quants load as wide vectors and scales as short runs.
 Both describe the same bytes, so one dequantizing tile function per type serves both layouts; repacking
 is a gather of bytes (done on the device at load) and costs at most 15 bytes of padding per row and plane.
+
+A mixture-of-experts layer's E matrices of one shape are one PackedWeight too: each expert laid out on its
+own as above, one after another, `expert_bytes` apart, so expert e's fields sit at base + e * expert_bytes
+with the same offsets and strides as expert 0's.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class PackedWeight:
     k: int
     fields: tuple[Field, ...]
     repacked: bool
+    experts: int = 1  # matrices stacked, each [n, k] (stack_experts)
+    expert_bytes: int = 0  # the distance between two experts' bytes
 
     @property
     def type_name(self) -> str:
@@ -113,6 +119,25 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
         fields += [Field(start + f_off - off, row_stride, size) for f_off in members]
         start += row_stride * n
     return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
+
+
+def stack_experts(raw: torch.Tensor, type_id: int, experts: int, n: int, k: int, repacked: bool = True) -> PackedWeight:
+    """E matrices [n, k] of GGUF rows (raw: experts * n rows, expert-major) as one PackedWeight, each expert
+    in the layout `repacked` picks, expert_bytes apart."""
+    rows = raw.reshape(experts, n, -1)
+    build = repack if repacked else canonical
+    parts = [build(rows[e], type_id, n, k) for e in range(experts)]
+    first = parts[0]
+    data = torch.cat([p.data for p in parts]) if experts > 1 else first.data
+    return PackedWeight(data, type_id, n, k, first.fields, repacked, experts, first.data.numel())
+
+
+def expert(w: PackedWeight, e: int) -> PackedWeight:
+    """Expert e of a stack as a plain matrix (a view of its bytes)."""
+    if not 0 <= e < w.experts:
+        raise IndexError(f"expert {e} of {w.experts}")
+    return PackedWeight(w.data[e * w.expert_bytes : (e + 1) * w.expert_bytes], w.type_id, w.n, w.k, w.fields,
+                        w.repacked)
 
 
 def plane_fields(type_name: str) -> list[tuple[tuple[str, ...], int]]:

@@ -72,13 +72,19 @@ def _matvec_kernel(
     x_ptr, part_ptr, base,  # pointers: activations [M, K], partials [SPLIT_K, M, N] f32, weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields (layout.py)
     N, K, blocks_per_split,  # sizes
-    stride_xm,  # strides
+    stride_xm, stride_pk,  # strides (x's rows, the partials' splits)
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     WTYPE: tl.constexpr, QK: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,  # meta
-    BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     # The launcher makes NB divide both the block count and blocks_per_split, so every tile is whole.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if EXPERTS:  # program_id(2) = assignment a: expert ids[a] times row a // XDIV of x, into row a
+        a = tl.program_id(2)
+        base += tl.load(ids_ptr + a).to(tl.int64) * expert_bytes
+        x_ptr += (a // XDIV) * stride_xm
+        part_ptr += a * N
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
@@ -104,7 +110,7 @@ def _matvec_kernel(
                 x = tl.load(x_ptr + m * stride_xm + kk).to(tl.float32)
                 s = tl.sum(w * x[None, :], axis=1)
                 acc += tl.where(mcol[None, :] == m, s[:, None], 0.0)
-    out = part_ptr + pid_k * M * N + mcol[None, :] * N + rows[:, None]
+    out = part_ptr + pid_k * stride_pk + mcol[None, :] * N + rows[:, None]
     tl.store(out, acc, mask=rmask[:, None] & (mcol[None, :] < M))
 
 
@@ -113,10 +119,17 @@ def _dequant_kernel(
     out_ptr, base,  # pointers: dense output [N, K] (bf16/fp16/f32), weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
     N, K,  # sizes
-    WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    counts_ptr, expert_bytes,  # EXPERTS: assignments per expert (none: the expert is not read), its stride
+    WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, EXPERTS: tl.constexpr = 0,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    live_rows = N
+    if EXPERTS:  # program_id(2) = expert e of a stack, into out[e]; skipped where no assignment uses it
+        e = tl.program_id(2)
+        base += e.to(tl.int64) * expert_bytes
+        out_ptr += e.to(tl.int64) * N * K
+        live_rows = tl.where(tl.load(counts_ptr + e) > 0, N, 0)
+    rmask = rows < live_rows
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
@@ -125,18 +138,24 @@ def _dequant_kernel(
 
 
 def dequantize_dense(w: PackedWeight, out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
-                     block_n: int = 16, nb: int = 8, num_warps: int = 4) -> torch.Tensor:
-    """W as a dense [N, K] matrix on its device: the scratch operand of the vendor GEMM for long prompts."""
+                     block_n: int = 16, nb: int = 8, num_warps: int = 4,
+                     counts: torch.Tensor | None = None) -> torch.Tensor:
+    """W as a dense [N, K] matrix on its device: the scratch operand of the vendor GEMM for long prompts. A
+    stack of experts (layout.stack_experts) gives [E, N, K]; with `counts` [E] only the experts with
+    assignments are written (the grouped GEMM reads no other)."""
     qk = _qk(w.type_id)
     if qk == 1:
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb
     nb = divisor_at_most(w.k // qk, nb)
+    stacked = w.expert_bytes > 0
     if out is None:
-        out = torch.empty(w.n, w.k, dtype=dtype, device=w.data.device)
-    grid = (triton.cdiv(w.n, block_n), w.k // qk // nb)
-    _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb,
-                          num_warps=num_warps)
+        out = torch.empty(*((w.experts,) if stacked else ()), w.n, w.k, dtype=dtype, device=w.data.device)
+    grid = (triton.cdiv(w.n, block_n), w.k // qk // nb) + ((w.experts,) if stacked else ())
+    if stacked and counts is None:
+        counts = torch.ones(w.experts, dtype=torch.int64, device=w.data.device)
+    _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, counts if stacked else out, w.expert_bytes,
+                          WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb, EXPERTS=int(stacked), num_warps=num_warps)
     return out
 
 
@@ -161,10 +180,15 @@ def divisor_at_most(n: int, want: int) -> int:
 
 
 def tile_matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32."""
+                num_warps: int = 4, num_stages: int = 2, experts=None) -> torch.Tensor:
+    """x [M <= 8, K] (f32/bf16/f16) -> y [M, N] f32. `experts` (matvec_launch.Experts): w a stack of
+    experts, y [A, N] the assignments' products, x any number of rows."""
     M, K = x.shape
-    if K != w.k or M > 8 or M < 1:
+    if experts is not None:
+        if K != w.k or M * experts.x_div != experts.count or w.expert_bytes == 0:
+            raise ValueError(f"the tile expert mat-vec: {experts.count} assignments of x {tuple(x.shape)} rows "
+                             f"taken {experts.x_div} at a time by a stack of {w.n}x{w.k} experts")
+    elif K != w.k or M > 8 or M < 1:
         raise ValueError(f"the tile mat-vec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
     if w.type_id not in SUPPORTED:
         raise ValueError(f"no Triton kernel for {w.type_name} yet")
@@ -173,11 +197,15 @@ def tile_matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2
         raise ValueError(f"the tile mat-vec's block_n must be at least 8, got {block_n}")
     x = x.contiguous()
     nb, per_split, split_k = tile_split(w.type_id, K, nb, split_k)
-    part = torch.empty(split_k, M, w.n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(w.n, block_n), split_k)
+    rows = experts.count if experts is not None else M
+    part = torch.empty(split_k, rows, w.n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(w.n, block_n), split_k) + ((rows,) if experts is not None else ())
+    expert_args = (experts.ids, w.expert_bytes) if experts is not None else (x, 0)
+    expert_consts = {"EXPERTS": 1, "XDIV": experts.x_div} if experts is not None else {}
     _matvec_kernel[grid](
-        x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0),
-        **tile_constexprs(w.type_id, M, block_n, nb), num_warps=num_warps, num_stages=num_stages,
+        x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0), rows * w.n, *expert_args,
+        **tile_constexprs(w.type_id, 1 if experts is not None else M, block_n, nb), **expert_consts,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return part[0] if split_k == 1 else part.sum(0)
 

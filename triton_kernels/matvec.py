@@ -39,7 +39,7 @@ class MatvecKernel:
     types: frozenset[int]  # the weight types it serves
     canonical: bool  # reads GGUF's canonical blocks (--no-repack) as well as the repacked layout
     int8: bool  # multiplies x's q8_1 copy (the op before x may hand it over)
-    launch: Callable[..., torch.Tensor]  # (x, w, params, q8_1, out) -> y
+    launch: Callable[..., torch.Tensor]  # (x, w, params, q8_1, out, experts) -> y
     rule: Rule  # launch parameters an entry leaves out
 
 
@@ -50,8 +50,8 @@ class Choice:
 
 
 def _tiles(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    y = tile_matvec(x, w, **params)
+           out: torch.Tensor | None = None, experts=None) -> torch.Tensor:
+    y = tile_matvec(x, w, **params, experts=experts)
     return y if out is None else out.copy_(y)
 
 

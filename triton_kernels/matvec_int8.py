@@ -36,6 +36,7 @@ from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.flat_words import (
     block_planes,
+    expert_program,
     program_rows,
     q4_k_groups,
     q4_k_scale_decode,
@@ -59,7 +60,7 @@ from vegaserve.triton_kernels.int8_ops import (
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
-from vegaserve.triton_kernels.matvec_launch import plan, unique
+from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
 from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
@@ -156,13 +157,19 @@ def _legacy_kernel(
     part_ptr, out_ptr, count_ptr,  # store_rows': partials, y, arrival counts
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
     N, K, blocks_per_split,
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
-    FLAT: tl.constexpr,
+    FLAT: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
     levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte)."""
     pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
     qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS, FLAT)
     xb = first + tl.arange(0, NB)
@@ -261,10 +268,16 @@ def _q4_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales, qs
     N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
     # group (super-block, j) holds chunks j and j + 2 (sub-blocks 2j, 2j + 1 and 2j + 4, 2j + 5); byte l
     # of chunk c: low nibble element 64c + l, high nibble 64c + 32 + l
     G: tl.constexpr = 2 * NB
@@ -337,10 +350,16 @@ def _q6_k_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
     # group (super-block, half h, l4) holds qh bytes l = 16 l4 .. 16 l4 + 15 of half h
     # and the ql runs gm = 0, 1 that use them; element 128h + 32j + l has code j = gm + 2 gh (gh: low or
     # high nibble), its two high bits at bit 2j of qh byte l, its scale 8h + l4 + 2j
@@ -408,21 +427,24 @@ def kernel_for(type_id: int, m: int) -> tuple[object, dict[str, int]]:
 
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, experts: Experts | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 on x's q8_1 form (`q8_1`, else quantized here); params: block_n, nb,
     split_k, num_warps, carry (1: each tile's loads issued in the iteration before and carried into it; 0:
-    at the top of their own, fewer registers). `out`: where y goes (Launch.outputs)."""
+    at the top of their own, fewer registers). `out`: where y goes (Launch.outputs). `experts`: w a stack
+    of experts, y [A, N] the assignments' products (Experts)."""
     if w.type_id not in TYPES:
         raise ValueError(f"the int8 mat-vec has no kernel for {w.type_name}")
-    launch = plan("int8", x, w, params)
+    launch = plan("int8", x, w, params, experts)
     M, K = x.shape
+    rows = experts.count if experts is not None else M
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    kernel, type_args = kernel_for(w.type_id, M)
-    part, y, counts = launch.outputs(M, w.n, x.device, out)
+    kernel, type_args = kernel_for(w.type_id, 1 if experts is not None else M)
+    part, y, counts = launch.outputs(rows, w.n, x.device, out)
+    expert_args, expert_consts = launch.expert_args(w, experts)
     kernel[launch.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split,
-        M=M, BLOCK_N=params["block_n"], NB=launch.per_tile, SPLIT=launch.split, DOT=dot_kind(x.device),
-        CARRY=params.get("carry", 1), **type_args, num_warps=params["num_warps"], num_stages=1,
-        **pdl.launch_args(x.device),
+        *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile,
+        SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=params.get("carry", 1), **type_args, **expert_consts,
+        num_warps=params["num_warps"], num_stages=1, **pdl.launch_args(x.device),
     )
     return y

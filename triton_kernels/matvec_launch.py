@@ -83,16 +83,38 @@ def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, wa
 
 
 @dataclass(frozen=True)
+class Experts:
+    """An expert mat-vec's assignments (layout.stack_experts' matrices): assignment a multiplies expert
+    ids[a] by row a // x_div of x, into row a of y."""
+
+    ids: torch.Tensor  # [A] int64, on the device
+    x_div: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.ids.shape[0]
+
+
+@dataclass(frozen=True)
 class Launch:
-    """A word-tile mat-vec's launch: parameters, blocks (super-blocks) per tile, per K split, splits."""
+    """A word-tile mat-vec's launch: parameters, blocks (super-blocks) per tile, per K split, splits; with
+    `assignments`, one program column per expert assignment (one row of x each)."""
 
     params: dict[str, int]
     per_tile: int
     per_split: int
     split: int
+    assignments: int = 0
 
-    def grid(self, n: int) -> tuple[int, int]:
-        return triton.cdiv(n, self.params["block_n"]), self.split
+    def grid(self, n: int) -> tuple[int, ...]:
+        tiles = triton.cdiv(n, self.params["block_n"])
+        return (tiles, self.split, self.assignments) if self.assignments else (tiles, self.split)
+
+    def expert_args(self, w: PackedWeight, experts: Experts | None) -> tuple[list, dict[str, int]]:
+        """The kernels' (ids_ptr, expert_bytes) arguments and EXPERTS / XDIV constexprs."""
+        if experts is None:
+            return [w.data, 0], {}
+        return [experts.ids, w.expert_bytes], {"EXPERTS": 1, "XDIV": experts.x_div}
 
     def outputs(self, m: int, n: int, device: torch.device,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +132,7 @@ class Launch:
         if self.split == 1:
             return y, y, y
         part = torch.empty(self.split, m, n, dtype=torch.float32, device=device)
-        return part, y, arrival_counts(device, self.grid(n)[0])
+        return part, y, arrival_counts(device, self.grid(n)[0] * max(self.assignments, 1))
 
 
 _COUNTS: dict[torch.device, list[torch.Tensor]] = {}
@@ -125,14 +147,25 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
     return held[-1]
 
 
-def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int]) -> Launch:
-    """The checks and the K split of a word-tile kernel's launch of x [M, K] on w with complete params."""
+def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], experts: Experts | None = None) -> Launch:
+    """The checks and the K split of a word-tile kernel's launch of x [M, K] on w with complete params; with
+    `experts`, of one program column per assignment (x's rows then any number: each program takes one)."""
     M, K = x.shape
-    if K != w.k or not 1 <= M <= 8:
+    if experts is not None:
+        if w.experts < 2 and w.expert_bytes == 0:
+            raise ValueError(f"{kernel} expert mat-vec: the weight is one matrix, not a stack of experts")
+        if experts.ids.dtype != torch.int64 or experts.ids.dim() != 1 or experts.count < 1:
+            raise ValueError(f"{kernel} expert mat-vec: ids must be int64 [A]; got {experts.ids.dtype} "
+                             f"{tuple(experts.ids.shape)}")
+        if M * experts.x_div != experts.count or K != w.k:
+            raise ValueError(f"{kernel} expert mat-vec: {experts.count} assignments of x [{M}, {K}] rows taken "
+                             f"{experts.x_div} at a time by {w.n}x{w.k} experts")
+    elif K != w.k or not 1 <= M <= 8:
         raise ValueError(f"{kernel} mat-vec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
     if not w.repacked:
         raise ValueError(f"the {kernel} mat-vec reads 16-byte words: the repacked layout (layout.repack) only")
     if params["block_n"] < 8 or params["block_n"] & (params["block_n"] - 1):
         # BLOCK_N 2 and 4 gave wrong sums in the tile kernel on an H200
         raise ValueError(f"block_n must be a power of two >= 8, got {params['block_n']}")
-    return Launch(params, *tile_split(w.type_id, K, params["nb"], params.get("split_k", 1)))
+    return Launch(params, *tile_split(w.type_id, K, params["nb"], params.get("split_k", 1)),
+                  experts.count if experts is not None else 0)

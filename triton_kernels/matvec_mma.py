@@ -436,12 +436,14 @@ def kernel_args(type_id: int, num_warps: int) -> dict[str, int]:
 
 
 def matvec_lanes(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, experts=None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_int8.matvec_int8; block_n a multiple of 16 x num_warps. The
     32-element types read a tile's q8_1 scales in pairs: a tile of one block (nb 1, or a row of an odd
     number of blocks) runs the int8 kernel with the same launch."""
     if w.type_id not in TYPES:
         raise ValueError(f"the lanes mat-vec has no kernel for {w.type_name}")
+    if experts is not None:
+        raise ValueError("the lanes mat-vec multiplies several rows of x by one weight; an expert assignment is one")
     if torch.version.hip or (dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device)):
         raise ValueError("the lanes mat-vec takes mma.sync m16n8k32 (int8): NVIDIA sm_80 and later")
     launch = plan("lanes", x, w, params)

@@ -21,6 +21,7 @@ import triton.language as tl
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.flat_words import (
+    expert_program,
     field,
     magic,
     program_rows_at,
@@ -33,7 +34,7 @@ from vegaserve.triton_kernels.int8_ops import advance, low_high_sums, minus_32
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matvec_int8 import dot_kind
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
-from vegaserve.triton_kernels.matvec_launch import plan, unique
+from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
 from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 
 
@@ -144,12 +145,18 @@ def q4_k_pieces_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): dm, scales (one head plane), qs
     N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     """Q4_K with the lanes along each row: 16-byte pieces of the quant plane and 16-byte head records
     (layout.py's HEAD planes), both loaded as contiguous runs (see block_planes' FLAT)."""
     pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
     _q4_k_pieces(xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o2, r2, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
                  UNPACK)
@@ -257,11 +264,17 @@ def q6_k_pieces_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): ql, qh, scales, d
     N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, UNPACK: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
 ):
     """Q6_K with the lanes along each row (as q4_k_pieces_kernel): every plane loaded as contiguous runs."""
     pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
     _q6_k_pieces(xq_ptr, dx_ptr, base, part_ptr, out_ptr, count_ptr, o0, r0, o1, r1, o2, r2, o3, r3, N, K,
                  blocks_per_split, tl.program_id(0), tl.program_id(1), M, BLOCK_N, NB, SPLIT, DOT, CARRY, PDL,
                  UNPACK)
@@ -318,19 +331,21 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict
 
 
 def matvec_pieces(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, experts: Experts | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> y [M, N] f32 as matvec_int8.matvec_int8, for Q4_K and Q6_K; params as there, and
     unpack 1: int-to-float by exact adds (Q4_K: and its scales decoded with per-piece masks)."""
     if w.type_id not in TYPES:
         raise ValueError(f"the pieces mat-vec takes Q4_K and Q6_K; got {w.type_name}")
-    launch = plan("pieces", x, w, params)
+    launch = plan("pieces", x, w, params, experts)
     M, K = x.shape
+    rows = experts.count if experts is not None else M
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    part, y, counts = launch.outputs(M, w.n, x.device, out)
+    part, y, counts = launch.outputs(rows, w.n, x.device, out)
+    expert_args, expert_consts = launch.expert_args(w, experts)
     _KERNELS[w.type_id][launch.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split,
-        M=M, BLOCK_N=params["block_n"], NB=launch.per_tile, SPLIT=launch.split, DOT=dot_kind(x.device),
-        CARRY=params.get("carry", 1), UNPACK=params.get("unpack", 0), num_warps=params["num_warps"],
-        num_stages=1, **pdl.launch_args(x.device),
+        *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile,
+        SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=params.get("carry", 1), UNPACK=params.get("unpack", 0),
+        **expert_consts, num_warps=params["num_warps"], num_stages=1, **pdl.launch_args(x.device),
     )
     return y

@@ -64,8 +64,8 @@ class QuantMethod:
         """An ExpertLinear's E matrices (engine/layers/moe.py) from GGUF 3-D tensors [E, rows, K]."""
         raise NotImplementedError
 
-    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """y[a] = W[ids[a]] x[rows[a]] for each assignment a: [A, N]."""
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+        """y[a] = W[ids[a]] x[a // x_div] for each assignment a: [A, N] f32."""
         raise NotImplementedError
 
 
@@ -93,11 +93,11 @@ class ReferenceMethod(QuantMethod):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
-    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
         y = torch.empty(ids.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
         for e in ids.unique().tolist():  # the experts in use, each over all its assignments
             sel = (ids == e).nonzero()[:, 0]
-            y[sel] = x[rows[sel]] @ layer.weight[e].T
+            y[sel] = x[sel // x_div] @ layer.weight[e].T
         return y
 
 
@@ -123,6 +123,7 @@ class TritonMethod(QuantMethod):
         # long prompts: the vendor GEMM on a dequantized copy, in the target's best operand type
         self.gemm_dtype = gemm_dtype or getattr(torch, self.tuning.scratch_dtype)
         self.scratch: torch.Tensor | None = None  # one buffer for the largest matrix, shared by all layers
+        self.expert_scratch: torch.Tensor | None = None  # the largest stack of experts dequantized (prefill)
 
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
@@ -154,6 +155,42 @@ class TritonMethod(QuantMethod):
                 raise ModelLoadError(str(e)) from e
             if self.scratch is None or self.scratch.numel() < w.n * w.k:
                 self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
+
+    def create_experts(self, layer, sources: list[WeightSource]) -> None:
+        from vegaserve.triton_kernels.layout import expert, stack_experts
+        from vegaserve.triton_kernels.matmul import SUPPORTED
+        from vegaserve.triton_kernels.matvec import choose
+
+        e, k = layer.n_experts, layer.in_features
+        groups: list[tuple[int, list[torch.Tensor], int]] = []  # (type, raws [E, rows, row bytes], rows)
+        for src, rows in zip(sources, layer.output_sizes, strict=True):
+            if src.info.type_id not in SUPPORTED:
+                raise ModelLoadError(f"{src.path}: no GPU kernel yet for {src.info.type_name} (tensor {src.info.name})")
+            raw = src.raw.reshape(e, rows, -1)
+            if groups and groups[-1][0] == src.info.type_id:
+                groups[-1] = (groups[-1][0], groups[-1][1] + [raw], groups[-1][2] + rows)
+            else:
+                groups.append((src.info.type_id, [raw], rows))
+        for type_id, raws, rows in groups:
+            raw = torch.cat(raws, dim=1).to(layer.device)  # each expert's matrices stacked along its rows
+            w = stack_experts(raw, type_id, e, rows, k, self.repack)
+            layer.packed.append(w)
+            try:  # the decode kernel: one expert at one row (each assignment is one)
+                layer.tuned.append(choose(expert(w, 0), 1, self.tuning))
+            except ValueError as err:
+                raise ModelLoadError(str(err)) from err
+            if self.expert_scratch is None or self.expert_scratch.numel() < e * rows * k:
+                self.expert_scratch = torch.empty(e * rows * k, dtype=self.gemm_dtype, device=layer.device)
+
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+        from vegaserve.triton_kernels.matvec_launch import Experts
+        from vegaserve.triton_kernels.moe import expert_matmul
+
+        experts = Experts(ids, x_div)
+        grouped = not self._decode(tokens)
+        outs = [expert_matmul(x, w, experts, c, grouped, scratch=self.expert_scratch)
+                for w, c in zip(layer.packed, layer.tuned, strict=True)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _decode(self, m: int) -> bool:
         return m < self.tuning.dense_from_m and m <= 8

@@ -24,7 +24,7 @@ from vegaserve.engine.models.arch_config import MoEConfig
 
 class ExpertLinear(nn.Module):
     """E matrices [N, K] (the GGUF 3-D tensors [E, rows, K] of `load`, stacked along the rows: gate and up),
-    y[a] = W[ids[a]] x[rows[a]] (+ b[ids[a]])."""
+    y[a] = W[ids[a]] x[a // x_div] (+ b[ids[a]])."""
 
     def __init__(self, n_experts: int, in_features: int, output_sizes: list[int], method: QuantMethod) -> None:
         super().__init__()
@@ -34,7 +34,8 @@ class ExpertLinear(nn.Module):
         self.out_features = sum(output_sizes)
         self.method = method
         self.weight: nn.Parameter | None = None  # ReferenceMethod: [E, N, K]
-        self.packed: list = []  # TritonMethod: one PackedWeight of E experts per type
+        self.packed: list = []  # TritonMethod: one stack of E experts per type (layout.stack_experts)
+        self.tuned: list = []  # and the decode kernel of each (matvec.Choice of one expert at one row)
         self.bias: torch.Tensor | None = None  # [E, N] f32
         self.device = torch.device("cpu")
 
@@ -46,9 +47,10 @@ class ExpertLinear(nn.Module):
         if biases is not None:
             self.bias = torch.cat([b.float() for b in biases], dim=1).to(device)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """x [R, K], ids [A] (the expert of each assignment), rows [A] (the row of x it multiplies) -> [A, N]."""
-        y = self.method.apply_experts(self, x, ids, rows)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+        """x [R, K], ids [A] (the expert of each assignment, int64), x_div: assignments a row of x serves,
+        tokens: the step's tokens (which path the quant method takes) -> [A, N] f32."""
+        y = self.method.apply_experts(self, x, ids, x_div, tokens)
         return y if self.bias is None else y + self.bias[ids]
 
 
@@ -117,9 +119,8 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits, self.cfg)
         a = ids.reshape(-1)
-        assignments = torch.arange(a.shape[0], device=x.device)
-        h = expert_act(self.gate_up(x, a, assignments // k), self.cfg)
-        y = self.down(h, a, assignments).view(T, k, self.hidden)
+        h = expert_act(self.gate_up(x, a, k, T), self.cfg)
+        y = self.down(h, a, 1, T).view(T, k, self.hidden)
         out = (y * weights[..., None]).sum(dim=1)
         if self.shared_gate_up is not None:
             shared = self.shared_down(expert_act(self.shared_gate_up(x), self.cfg))

@@ -1,0 +1,69 @@
+"""The mixture-of-experts layer (engine/layers/moe.py) on the GPU's quant method (TritonMethod: experts
+stacked per expert, the expert matmuls of triton_kernels/moe.py) against the CPU's (ReferenceMethod: each
+expert dequantized, torch), on the converted tiny models' first layer (tests/data/moe): a decode-sized step
+(the expert mat-vecs) and a prefill-sized one (the grouped GEMM), the shared expert (qwen2moe) and gpt-oss's
+biases and clamped SwiGLU included. And the router: every id it gives is an expert, whatever the logits.
+Under the interpreter on a CPU (the grouped GEMM's scratch in f32 there: the interpreter has no bf16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
+from vegaserve.engine.layers.linear import ReferenceMethod, TritonMethod
+from vegaserve.engine.layers.moe import MoE, route
+from vegaserve.engine.models.arch_config import MoEConfig, arch_config_from_gguf
+from vegaserve.engine.models.weights import WeightLoader
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "moe"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _layer(name: str, method, layer: int = 0) -> MoE:
+    gguf = GGUFFile(DATA / f"{name}-f32.gguf")
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), name)
+    moe = MoE(arch.hidden_size, arch.moe, method)
+    moe.load(WeightLoader(gguf, DEVICE, torch.float32, show_progress=False), f"blk.{layer}.")
+    return moe
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
+@pytest.mark.parametrize("tokens", [3, 12], ids=["decode", "grouped"])
+def test_the_gpu_method_gives_the_reference_layers_output(name, tokens):
+    triton_moe = _layer(name, TritonMethod(gemm_dtype=torch.float32))
+    reference = _layer(name, ReferenceMethod())
+    assert triton_moe.gate_up.packed and reference.gate_up.weight is not None
+    x = torch.randn(tokens, reference.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    want = reference(x)
+    got = triton_moe(x)
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm() / want.norm()) < 1e-5, (name, tokens)
+
+
+def test_router_ids_are_experts_whatever_the_logits():
+    """NaN, infinite and tied logits still give k distinct ids in range, for both gatings."""
+    logits = torch.tensor([[float("nan")] * 8, [float("inf"), float("-inf")] + [0.0] * 6, [1.0] * 8,
+                           [0.0, float("nan"), 3.0, float("inf"), -1.0, 2.0, float("-inf"), 0.5]])
+    for gating in ("softmax", "topk_softmax"):
+        cfg = MoEConfig(experts=8, used=3, expert_ff=4, gating=gating)
+        _, ids = route(logits, cfg)
+        assert ids.shape == (4, 3)
+        assert bool(((ids >= 0) & (ids < 8)).all())
+        assert all(len(set(row)) == 3 for row in ids.tolist())
+
+
+def test_expert_tensors_that_disagree_with_the_metadata_are_refused():
+    """Experts expected 4 where the tensors hold 8: refused at load, naming the tensor and both shapes; and
+    metadata asking for more experts a token than there are: refused naming both keys."""
+    src = GGUFFile(DATA / "qwen3moe-f32.gguf")
+    arch = arch_config_from_gguf(src.metadata, set(src.tensors), "qwen3moe")
+    cfg = MoEConfig(experts=4, used=2, expert_ff=arch.moe.expert_ff)
+    moe = MoE(arch.hidden_size, cfg, ReferenceMethod())
+    with pytest.raises(ModelLoadError, match=r"ffn_gate_inp.weight .*\[8, 64\].*\[4, 64\]"):
+        moe.load(WeightLoader(src, DEVICE, torch.float32, show_progress=False), "blk.0.")
+    md = {**src.metadata, "qwen3moe.expert_used_count": 9}
+    with pytest.raises(ModelLoadError, match=r"expert_used_count 9 .*expert_count 8"):
+        arch_config_from_gguf(md, set(src.tensors), "bad.gguf")
