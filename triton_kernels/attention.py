@@ -64,23 +64,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
-           max_query_len: int, out: torch.Tensor | None = None, q8_1: bool = False,
-           **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1 | None]:
+           max_query_len: int, out: torch.Tensor | None = None, q8_1: bool = False, window: int = 0,
+           sinks: torch.Tensor | None = None, **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1 | None]:
     """q [T, H, D] of the new tokens (their k/v written) -> [T, H, D]. Arguments as prefill_attention;
     max_seq_len and max_query_len are host ints so that choosing the kernel and its grid needs no sync.
     `q8_1`: (that, its q8_1 copy [T, H * D]) from the decode kernel, which writes both; (that, None) from
-    the prefill kernel, whose outputs the dense GEMMs read."""
+    the prefill kernel, whose outputs the dense GEMMs read. window > 0: a query sees its last `window`
+    positions; sinks [H] f32: each head's sink logit in its softmax's denominator."""
     if max_query_len == 1:
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, page_size, max_seq_len,
-                                out=out, q8_1=q8_1, **params)
+                                out=out, q8_1=q8_1, window=window, sinks=sinks, **params)
     o = prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, page_size,
-                          max_query_len, out=out, **params)
+                          max_query_len, out=out, window=window, sinks=sinks, **params)
     return (o, None) if q8_1 else o
 
 
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
+                     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 [T, H, D]; the decode reference where every sequence has one row, else the prefill one."""
     if q.shape[0] == seq_lens.shape[0]:
-        return reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, page_size)
-    return reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, page_size)
+        return reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, page_size, window, sinks)
+    return reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, page_size, window,
+                             sinks)

@@ -140,24 +140,25 @@ def attend_tile(
     kstart, hi, qpos, qk_scale,  # first key position of the tile, end of the keys, query positions [R]
     stride_ks, stride_vs,  # cache slot strides
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
-    """Fold keys kstart .. kstart + BLOCK_N - 1 (those below hi; with CAUSAL also at most qpos) into the
-    softmax state of the rows of q. k_head / v_head point at the tile's kv head in slot 0, table at the
-    sequence's block table row. The caller guarantees every row sees a key in its first tile, so m is
-    finite after it and no 2^(-inf - -inf) arises."""
+    """Fold keys kstart .. kstart + BLOCK_N - 1 (those below hi; with CAUSAL also at most qpos; with a
+    WINDOW also above qpos - WINDOW) into the softmax state of the rows of q. k_head / v_head point at the
+    tile's kv head in slot 0, table at the sequence's block table row. Without a WINDOW the caller
+    guarantees every row sees a key in its first tile, so m is finite after it and no 2^(-inf - -inf)
+    arises; with one, a row that has seen no key yet keeps an empty state."""
     slot = tile_slots(table, kstart, hi, PAGE, BLOCK_N)
     return attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale, stride_ks, stride_vs,
-                        HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, DOT_F32)
+                        HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, DOT_F32, WINDOW)
 
 
 @triton.jit
 def attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale, stride_ks, stride_vs,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 DOT_F32: tl.constexpr, WINDOW: tl.constexpr = 0):
     """attend_tile with the tile's cache slots already read (tile_slots): a caller can read them ahead."""
     k, v = load_kv(k_head, v_head, slot, kstart, hi, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D)
-    return attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N, CAUSAL, DOT_F32)
+    return attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N, CAUSAL, DOT_F32, WINDOW)
 
 
 @triton.jit
@@ -174,7 +175,7 @@ def load_kv(k_head, v_head, slot, kstart, end, stride_ks, stride_vs, HEAD_DIM: t
 
 @triton.jit
 def attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              DOT_F32: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Fold a loaded tile (keys k, values v [BLOCK_N, BLOCK_D] of positions kstart.., those below hi
     counted) into the softmax state, as attend_tile."""
     pos = kstart + tl.arange(0, BLOCK_N)
@@ -187,10 +188,15 @@ def attend_kv(acc, l, m, q, k, v, kstart, hi, qpos, qk_scale, BLOCK_N: tl.conste
     visible = kmask[None, :]
     if CAUSAL:
         visible = visible & (pos[None, :] <= qpos[:, None])
+    if WINDOW:
+        visible = visible & (pos[None, :] > qpos[:, None] - WINDOW)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_exp = m_new
+    if WINDOW:  # a row may have seen no key yet: its state stays empty (no 2^(-inf - -inf))
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_exp)
+    p = tl.exp2(s - m_exp[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DOT_F32:
@@ -208,14 +214,20 @@ def gather_keys(cache: torch.Tensor, table_row: torch.Tensor, length: int, page_
 
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 softmax(q k^T * scale) v of one sequence: q [n, H, D] at positions start .. start + n - 1,
-    keys/values [start + n, KV, D]; query i sees keys 0 .. start + i."""
+    keys/values [start + n, KV, D]; query i sees keys 0 .. start + i (the last `window` of them where
+    window > 0); sinks [H]: each head's logit added to its softmax's denominator."""
     n, H, _ = q.shape
     group = H // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
     s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
     qpos = torch.arange(start, start + n, device=q.device)[:, None]
-    s = s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] > qpos, float("-inf"))
+    kpos = torch.arange(keys.shape[0], device=q.device)[None, :]
+    hidden = (kpos > qpos) | ((kpos <= qpos - window) if window else False)
+    s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:  # a key never attended, its logit in every denominator
+        s = torch.cat((s, sinks.double().to(q.device)[:, None, None].expand(-1, n, 1)), dim=-1)
+        return (torch.softmax(s, dim=-1)[..., :-1] @ v).transpose(0, 1)
     return (torch.softmax(s, dim=-1) @ v).transpose(0, 1)  # [n, H, D]

@@ -11,6 +11,8 @@ With one partition the split kernel writes the output itself and the combine is 
 (down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
 With `q8_1` the kernel that writes the output (the combine, or the split kernel with one partition) also
 writes its q8_1 copy, the o_proj's int8 mat-vec input (q8_1.store_q8_1_blocks), in place of a quantize launch.
+A WINDOW keeps the keys from seq_len - WINDOW on (a partition before them runs no tile); SINKS adds each
+head's sink logit to its denominator once, in the kernel that writes the output.
 
 Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
 """
@@ -42,11 +44,13 @@ from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, sto
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
     q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
+    sinks_ptr,  # SINKS: each query head's sink logit [H] f32
     qk_scale, num_partitions,  # scalars
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, SINGLE: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    SINKS: tl.constexpr = 0,
 ):
     pdl.let_next_start(PDL)
     seq = tl.program_id(0)
@@ -56,7 +60,9 @@ def _decode_split_kernel(
     # read before the wait, with the first tile's cache slots
     seq_len = tl.load(lens_ptr + seq)
     lo = part * PARTITION
-    hi = tl.minimum(lo + PARTITION, seq_len)
+    if WINDOW:  # the window's first key is the first one any tile takes
+        lo = tl.maximum(lo, seq_len - WINDOW)
+    hi = tl.minimum(part * PARTITION + PARTITION, seq_len)
     table = table_ptr + seq.to(tl.int64) * stride_ts
     slot = tile_slots(table, lo, hi, PAGE, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
@@ -83,6 +89,12 @@ def _decode_split_kernel(
         acc, l, m = attend_slots(acc, l, m, q, k_head, v_head, slot, kstart, hi, qpos, qk_scale,
                                  stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_F32)
 
+    if SINKS and SINGLE:  # log2 units, as the scores: ln's logit times log2(e)
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     l_safe = tl.where(l > 0, l, 1.0)  # an empty partition: m = -inf, acc = 0, so o = 0 and lse = -inf
     o = acc / l_safe[:, None]
     if SINGLE:
@@ -105,10 +117,11 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
     q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
+    sinks_ptr,  # SINKS: each head's sink logit [H] f32
     num_partitions,  # sizes
     stride_os, stride_oh,  # strides
     HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, Q8: tl.constexpr,
-    PDL: tl.constexpr,  # meta
+    PDL: tl.constexpr, SINKS: tl.constexpr = 0,  # meta
 ):
     pdl.let_next_start(PDL)
     pdl.wait_for_inputs(PDL)
@@ -124,6 +137,9 @@ def _decode_combine_kernel(
         lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < num_partitions, other=float("-inf"))
         mx = tl.maximum(mx, lse)
     big = tl.max(mx, 0)  # finite: a sequence has at least one key, so one partition is not empty
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 units, as the lse
+        big = tl.maximum(big, sink)
     acc = tl.zeros([BLOCK_D], tl.float32)
     wsum = tl.zeros([BLOCK_P], tl.float32)
     for p0 in range(0, num_partitions, BLOCK_P):
@@ -133,7 +149,10 @@ def _decode_combine_kernel(
                     mask=pmask[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         wsum += w
-    out = (acc / tl.sum(wsum, 0)).to(out_ptr.dtype.element_ty)
+    total = tl.sum(wsum, 0)
+    if SINKS:
+        total += tl.exp2(sink - big)
+    out = (acc / total).to(out_ptr.dtype.element_ty)
     dst = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d
     tl.store(dst, out, mask=dmask)
     if Q8:  # the head's HEAD_DIM / 32 blocks (BLOCK_D == HEAD_DIM)
@@ -159,13 +178,14 @@ def _compute_units(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
-                     out: torch.Tensor | None = None, q8_1: bool = False,
-                     **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
+                     out: torch.Tensor | None = None, q8_1: bool = False, window: int = 0,
+                     sinks: torch.Tensor | None = None, **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
     """q [S, H, D]: the one new token of each sequence (its k/v already in the cache); block_tables
     [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
     so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
     `q8_1`: (out, its q8_1 copy as rows [S, H * D]), the bytes quantize_q8_1 of out gives, written by the
-    kernel that writes out (the o_proj's int8 mat-vec then needs no quantize launch of its own)."""
+    kernel that writes out (the o_proj's int8 mat-vec then needs no quantize launch of its own).
+    window > 0: the query sees the last `window` positions; sinks [H] f32: each head's sink logit."""
     H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     S = q.shape[0]
     if seq_lens.shape[0] != S:
@@ -191,18 +211,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, KV, n_part)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *q8,
-        scale * LOG2E, n_part,
+        sinks if sinks is not None else seq_lens, scale * LOG2E, n_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, Q8=fused_q8,
-        **opts, **pdl.launch_args(q.device),
+        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, Q8=fused_q8, WINDOW=window,
+        SINKS=int(sinks is not None), **opts, **pdl.launch_args(q.device),
     )
     if not single:
         _decode_combine_kernel[(S, H)](
-            part_o, part_lse, out, *q8, n_part, out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d, Q8=fused_q8,
-            **pdl.launch_args(q.device),
+            part_o, part_lse, out, *q8, sinks if sinks is not None else seq_lens, n_part, out.stride(0),
+            out.stride(1), HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d, Q8=fused_q8,
+            SINKS=int(sinks is not None), **pdl.launch_args(q.device),
         )
     if not q8_1:
         return out
@@ -210,11 +230,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
-    """Float64 [S, H, D]: each sequence's one query against all its keys, gathered slot by slot."""
+                     seq_lens: torch.Tensor, scale: float, page_size: int, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 [S, H, D]: each sequence's one query against all its keys (the last `window`), gathered slot
+    by slot."""
     out = []
     for s, length in enumerate(seq_lens.tolist()):
         keys = gather_keys(k_cache, block_tables[s], length, page_size)
         values = gather_keys(v_cache, block_tables[s], length, page_size)
-        out.append(reference_attention(q[s : s + 1], keys, values, length - 1, scale)[0])
+        out.append(reference_attention(q[s : s + 1], keys, values, length - 1, scale, window, sinks)[0])
     return torch.stack(out)

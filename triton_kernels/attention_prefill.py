@@ -9,7 +9,9 @@ BLOCK_G (group padded to a power of two) query heads of one kv head, row r = tok
 r % BLOCK_G: GQA loads each K/V tile once for the group and feeds one [BLOCK_M, D] x [D, BLOCK_N] tl.dot.
 Keys [0, first + 1) rounded down to BLOCK_N, first the block's first query position, are visible to every
 row: those tiles skip the causal mask; the tiles after them up to the block's last position take it.
-Query blocks past a sequence's n return at once.
+Query blocks past a sequence's n return at once. With a WINDOW a row sees the last WINDOW positions only,
+so the keys start at the block's first row's window and every tile takes both masks; with SINKS each head's
+sink logit joins its rows' denominators after the last tile.
 
 Torch reference: `reference_prefill` (keys gathered through the block table, float64 causal softmax).
 """
@@ -36,11 +38,12 @@ from vegaserve.triton_kernels.attention_common import (
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstart_ptr, out_ptr,  # pointers
+    sinks_ptr,  # SINKS: each query head's sink logit [H] f32
     qk_scale,  # scalars
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_ot, stride_oh,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
     BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -74,14 +77,28 @@ def _prefill_kernel(
     table = table_ptr + seq.to(tl.int64) * stride_ts
     first = start + qblock * BLOCK_Q
     hi = tl.minimum(first + BLOCK_Q, seq_len)  # one past the block's last query position
-    full_end = (first + 1) // BLOCK_N * BLOCK_N
-    # key 0 is in the first tile either loop runs and every row sees it: m is finite from then on
-    for kstart in range(0, full_end, BLOCK_N):
-        acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
-                                stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, False, DOT_F32)
-    for kstart in range(full_end, hi, BLOCK_N):
-        acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
-                                stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, True, DOT_F32)
+    if WINDOW:
+        # from the tile of the block's first row's oldest visible key; each row masks its own window
+        for kstart in range(tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+            acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
+                                    stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, True, DOT_F32, WINDOW)
+    else:
+        full_end = (first + 1) // BLOCK_N * BLOCK_N
+        # key 0 is in the first tile either loop runs and every row sees it: m is finite from then on
+        for kstart in range(0, full_end, BLOCK_N):
+            acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
+                                    stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, False, DOT_F32)
+        for kstart in range(full_end, hi, BLOCK_N):
+            acc, l, m = attend_tile(acc, l, m, q, k_head, v_head, table, kstart, hi, qpos, qk_scale,
+                                    stride_ks, stride_vs, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D, True, DOT_F32)
+    if SINKS:  # log2 units, as the scores: ln's logit times log2(e)
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    if WINDOW:  # rows past the sequence's new tokens may see no key at all (they are not stored)
+        l = tl.where(l > 0, l, 1.0)
 
     o = acc / l[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -90,11 +107,13 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int,
-                      max_query_len: int, out: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
+                      max_query_len: int, out: torch.Tensor | None = None, window: int = 0,
+                      sinks: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
     """q [T, H, D] with sequence s on rows query_start[s] .. query_start[s + 1] - 1 (query_start [S + 1]
     int32 from 0 to T, every sequence at least one row; max_query_len the most rows of one, given so the
     grid needs no device sync); block_tables [S, blocks] int32; seq_lens [S] int32 (cached + new keys).
-    Returns [T, H, D] in q's dtype. params override launch_params."""
+    Returns [T, H, D] in q's dtype. params override launch_params. window > 0: a query sees its last
+    `window` positions; sinks [H] f32: each head's sink logit."""
     H, KV, D = check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     S = seq_lens.shape[0]
     if query_start.dtype != torch.int32 or query_start.shape != (S + 1,):
@@ -114,24 +133,26 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out = torch.empty_like(q)
     grid = (S, triton.cdiv(max_query_len, block_q), KV)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start, out, sinks if sinks is not None else seq_lens,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_F32=dot_f32, **opts,
+        BLOCK_N=block_n, DOT_F32=dot_f32, WINDOW=window, SINKS=int(sinks is not None), **opts,
     )
     return out
 
 
 def reference_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
-    """Float64 [T, H, D]: each sequence's new rows against its keys 0 .. start + i, gathered slot by slot."""
+                      seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, page_size: int, window: int = 0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 [T, H, D]: each sequence's new rows against its keys 0 .. start + i (the last `window`),
+    gathered slot by slot."""
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     bounds = query_start.tolist()
     for s, length in enumerate(seq_lens.tolist()):
         r0, r1 = bounds[s], bounds[s + 1]
         keys = gather_keys(k_cache, block_tables[s], length, page_size)
         values = gather_keys(v_cache, block_tables[s], length, page_size)
-        out[r0:r1] = reference_attention(q[r0:r1], keys, values, length - (r1 - r0), scale)
+        out[r0:r1] = reference_attention(q[r0:r1], keys, values, length - (r1 - r0), scale, window, sinks)
     return out

@@ -74,9 +74,7 @@ def cached_attention(
     # ROCm builds of torch name HIP devices "cuda" as well; a batch without slot lists (a decode graph's
     # static batch, engine/cuda_graphs.py) has only the kernels' inputs
     if q.device.type == "cuda" or not batch.seqs:
-        if window or sinks is not None:
-            raise NotImplementedError("sliding-window attention and attention sinks on a GPU: not yet")
-        return paged_attention(q, k, v, layer, cache, batch, scale, stored, want_q8_1)
+        return paged_attention(q, k, v, layer, cache, batch, scale, stored, want_q8_1, window, sinks)
     return torch_attention(q, k, v, layer, cache, batch, scale, window, sinks), None
 
 
@@ -87,7 +85,7 @@ def _with_q8_1(out, want_q8_1: bool) -> tuple[torch.Tensor, Q8_1 | None]:
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
-    stored: bool = False, want_q8_1: bool = False,
+    stored: bool = False, want_q8_1: bool = False, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Q8_1 | None]:
     """cached_attention through the Triton kernels: decode when every sequence brings one token, else the
     prefill kernel for the whole (possibly mixed) batch."""
@@ -98,7 +96,7 @@ def paged_attention(
     if not stored:
         write_kv(kc, vc, a.new_slots, k, v)
     out = attend(q, kc, vc, a.block_tables, a.seq_lens, a.query_start, scale, a.page_size, a.max_seq_len,
-                 a.max_query_len, q8_1=want_q8_1)
+                 a.max_query_len, q8_1=want_q8_1, window=window, sinks=sinks)
     return _with_q8_1(out, want_q8_1)
 
 
