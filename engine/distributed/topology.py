@@ -86,6 +86,9 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
         raise ConfigError(f"{path}: {topo.pp} pipeline stages but the model has only {arch.n_layers} layers")
     if tp == 1:
         return
+    if arch.moe is not None:
+        raise ConfigError(f"{path}: {arch.architecture}'s experts split over tensor-parallel devices: not yet; "
+                          f"use -sm layer")
     if arch.n_heads % tp:
         raise ConfigError(f"{path}: {arch.n_heads} attention heads do not divide over {tp} tensor-parallel devices")
     if arch.n_kv_heads % tp and tp % arch.n_kv_heads:

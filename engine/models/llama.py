@@ -61,9 +61,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        if cfg.moe is not None:
-            if tp > 1:
-                raise ValueError("mixture-of-experts layers split over tensor-parallel lanes: not yet")
+        if cfg.moe is not None:  # one lane: topology.check_model_splits refuses experts split over lanes
             self.ffn: DenseMLP | MoE = MoE(cfg.hidden_size, cfg.moe, method)
         else:
             self.ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, method, tp, lane)

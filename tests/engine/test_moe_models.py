@@ -154,3 +154,16 @@ def test_the_gpu_path_agrees_with_transformers(name):
         got = [t for out in core.generate_sync(req) for t in out.token_ids]
         assert len(got) == 8
     assert counted > 50 and agree == counted, (name, agree, counted)
+
+
+def test_experts_over_tensor_parallel_lanes_are_refused_before_any_worker_starts():
+    from vegaserve.engine.config import ConfigError
+    from vegaserve.engine.distributed.topology import Topology, check_model_splits
+    from vegaserve.engine.gguf_file import GGUFFile
+    from vegaserve.engine.models.arch_config import arch_config_from_gguf
+
+    gguf = GGUFFile(DATA / "qwen3moe-f32.gguf")
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), "qwen3moe")
+    check_model_splits(arch, Topology(1, 2), {}, "m.gguf")  # layers over two stages: served
+    with pytest.raises(ConfigError, match="tensor-parallel devices: not yet"):
+        check_model_splits(arch, Topology(2, 1), {}, "m.gguf")
