@@ -89,6 +89,7 @@ class KernelConfig:
     token_graph: bool = True  # GGML_META_TOKEN_GRAPH
     q8_1_cache: bool = True  # GGML_CUDA_Q8_1_CACHE
     pdl: bool = True  # VEGASERVE_PDL: programmatic dependent launch of the decode kernels (sm_90+)
+    shexp_split: bool = True  # LLAMA_SHEXP_SPLIT: a shared expert split over tensor-parallel lanes, not held whole
     tuning_file: str | None = None
 
 

@@ -37,6 +37,7 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
     "GGML_META_TOKEN_GRAPH": ("kernels", "token_graph", _flag),
     "GGML_CUDA_Q8_1_CACHE": ("kernels", "q8_1_cache", _flag),
     "VEGASERVE_PDL": ("kernels", "pdl", _flag),
+    "LLAMA_SHEXP_SPLIT": ("kernels", "shexp_split", _flag),
     "VEGASERVE_ASYNC_DECODE": ("scheduler", "async_decode", _flag),
 }
 
@@ -47,7 +48,6 @@ NOT_YET: dict[str, str] = {
     "GGML_TP_AR_TWOSHOT": "the one-shot / two-shot AllReduce choice is not implemented yet",
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "a choice of compute type for bf16 weights is not implemented yet",
     "LLAMA_ENABLE_MTP_OPT": "multi-token prediction is not implemented yet",
-    "LLAMA_SHEXP_SPLIT": "the shared-expert split is not implemented yet",
     "LLAMA_PLE_SHARD": "per-layer-embedding sharding is not implemented yet",
 }
 

@@ -57,7 +57,8 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-        tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache, comm=comm,
+        tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache,
+        shared_split=cfg.kernels.shexp_split, comm=comm,
         layers=launch.stages[comm.stage],
     )
     return make_worker(launch, loaded.model, comm, device, show_progress)

@@ -118,11 +118,12 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
     if topo.world_size < n and config.parallel.split_mode != "none":
         log.warning("%d devices visible, %s uses %d", n, topo.describe(), topo.world_size)
     # the largest block of each matrix a lane slices by input columns, over all layers (mixes differ per layer)
-    sliced = ("attn_output", "ffn_down_exps" if arch.moe is not None else "ffn_down")
-    block = {k: max(spec_for(gguf.info(f"blk.{i}.{k}.weight").type_id).block_size for i in range(arch.n_layers))
-             for k in sliced}
-    block["ffn_down"] = block.pop(sliced[1])
-    check_model_splits(arch, topo, block, str(gguf.path))
+    sliced = {"attn_output": "attn_output", "ffn_down": "ffn_down_exps" if arch.moe is not None else "ffn_down"}
+    if arch.moe is not None and arch.moe.shared_ff:
+        sliced["ffn_down_shexp"] = "ffn_down_shexp"
+    block = {k: max(spec_for(gguf.info(f"blk.{i}.{name}.weight").type_id).block_size for i in range(arch.n_layers))
+             for k, name in sliced.items()}
+    check_model_splits(arch, topo, block, str(gguf.path), config.kernels.shexp_split)
     embd = gguf.info("token_embd.weight").n_bytes
     head = gguf.info("output.weight").n_bytes if "output.weight" in gguf else embd
     stages = tuple(partition_layers(_layer_bytes(gguf, arch), topo.pp, embd, head))

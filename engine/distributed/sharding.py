@@ -48,6 +48,28 @@ def slice_cols(src: WeightSource, start: int, count: int) -> WeightSource:
     return _with_shape(src, raw, (rows, count))
 
 
+def slice_expert_rows(src: WeightSource, start: int, count: int) -> WeightSource:
+    """Rows start .. start + count of every expert of an [E, rows, cols] tensor (a column-parallel slice of
+    each expert: its share of the gate and up projections)."""
+    experts, rows, cols = src.info.shape
+    if start < 0 or start + count > rows:
+        raise ModelLoadError(f"{src.path}: tensor {src.info.name}: rows {start}..{start + count} out of {rows}")
+    if start == 0 and count == rows:
+        return src
+    raw = src.raw.reshape(experts, rows, -1)[:, start : start + count].contiguous()
+    return _with_shape(src, raw, (experts, count, cols))
+
+
+def slice_expert_cols(src: WeightSource, start: int, count: int) -> WeightSource:
+    """Input columns start .. start + count of every expert of an [E, rows, cols] tensor (a row-parallel
+    slice: the down projection's), in whole quantization blocks."""
+    experts, rows, cols = src.info.shape
+    if start == 0 and count == cols:
+        return src
+    part = slice_cols(_with_shape(src, src.raw, (experts * rows, cols)), start, count)
+    return _with_shape(src, part.raw, (experts, rows, count))
+
+
 def vocab_slice(vocab: int, tp: int, lane: int) -> tuple[int, int, int]:
     """(first row, rows, padded width) of a lane's vocabulary slice: ceil(vocab / tp) rows per lane, the
     last lane fewer; every lane's logits are padded to the same width for the gather."""

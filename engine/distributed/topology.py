@@ -78,7 +78,8 @@ def plan_topology(split_mode: str, tps: int, n_devices: int) -> Topology:
     return Topology(tp=tps, pp=n_devices // tps)
 
 
-def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, int], path: str) -> None:
+def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, int], path: str,
+                       shared_split: bool = True) -> None:
     """Refuse a split that the model's shapes cannot take. block_sizes: GGUF block size (elements) of the
     matrices whose input dimension a lane slices (attn_output, ffn_down): a slice never cuts a block."""
     tp = topo.tp
@@ -86,9 +87,6 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
         raise ConfigError(f"{path}: {topo.pp} pipeline stages but the model has only {arch.n_layers} layers")
     if tp == 1:
         return
-    if arch.moe is not None:
-        raise ConfigError(f"{path}: {arch.architecture}'s experts split over tensor-parallel devices: not yet; "
-                          f"use -sm layer")
     if arch.n_heads % tp:
         raise ConfigError(f"{path}: {arch.n_heads} attention heads do not divide over {tp} tensor-parallel devices")
     if arch.n_kv_heads % tp and tp % arch.n_kv_heads:
@@ -96,9 +94,16 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
             f"{path}: {arch.n_kv_heads} KV heads can neither be split over {tp} tensor-parallel devices "
             f"nor replicated evenly on them"
         )
-    if arch.intermediate_size % tp:
-        raise ConfigError(f"{path}: the feed-forward size {arch.intermediate_size} does not divide over {tp} devices")
-    lane_k = {"attn_output": arch.q_size // tp, "ffn_down": arch.intermediate_size // tp}
+    # the feed-forward a lane slices: each expert's intermediate size in a mixture of experts
+    ffn = arch.moe.expert_ff if arch.moe is not None else arch.intermediate_size
+    if ffn % tp:
+        raise ConfigError(f"{path}: the feed-forward size {ffn} does not divide over {tp} devices")
+    lane_k = {"attn_output": arch.q_size // tp, "ffn_down": ffn // tp}
+    if arch.moe is not None and arch.moe.shared_ff and shared_split:
+        if arch.moe.shared_ff % tp:
+            raise ConfigError(f"{path}: the shared expert's size {arch.moe.shared_ff} does not divide over {tp} "
+                              f"devices (LLAMA_SHEXP_SPLIT=0 holds it whole on each)")
+        lane_k["ffn_down_shexp"] = arch.moe.shared_ff // tp
     for name, k in lane_k.items():
         qk = block_sizes.get(name, 1)
         if k % qk:

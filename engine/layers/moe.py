@@ -75,37 +75,61 @@ def expert_act(gate_up: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """The feed-forward of one layer: router, E experts, and the shared expert where cfg.shared_ff."""
+    """The feed-forward of one layer: router, E experts, and the shared expert where cfg.shared_ff.
 
-    def __init__(self, hidden: int, cfg: MoEConfig, method: QuantMethod) -> None:
+    Under tensor parallelism (tp lanes) every lane routes alike (the router is whole on each) and holds a
+    slice of every expert's intermediate size: gate and up by rows, down by input columns in whole blocks, so
+    each lane's output is a partial sum that the layer's one AllReduce completes. The shared expert is split
+    the same way (shared_split), its partial folded into that AllReduce, or held whole by every lane and
+    added by lane 0 alone. Expert biases: gate and up sliced, down's added by lane 0."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, method: QuantMethod, tp: int = 1, lane: int = 0,
+                 shared_split: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.hidden = hidden
+        self.tp, self.lane = tp, lane
+        self.ff = cfg.expert_ff // tp
+        self.shared_tp = tp if shared_split else 1
+        self.shared_ff = cfg.shared_ff // self.shared_tp
         self.router = torch.empty(0)  # [E, H] f32
         self.router_bias: torch.Tensor | None = None
-        self.gate_up = ExpertLinear(cfg.experts, hidden, [cfg.expert_ff] * 2, method)
-        self.down = ExpertLinear(cfg.experts, cfg.expert_ff, [hidden], method)
-        self.shared_gate_up = QuantLinear(hidden, [cfg.shared_ff] * 2, method) if cfg.shared_ff else None
-        self.shared_down = QuantLinear(cfg.shared_ff, [hidden], method) if cfg.shared_ff else None
+        self.gate_up = ExpertLinear(cfg.experts, hidden, [self.ff] * 2, method)
+        self.down = ExpertLinear(cfg.experts, self.ff, [hidden], method)
+        self.shared_gate_up = QuantLinear(hidden, [self.shared_ff] * 2, method) if cfg.shared_ff else None
+        self.shared_down = QuantLinear(self.shared_ff, [hidden], method) if cfg.shared_ff else None
         self.shared_gate = torch.empty(0)  # [H] f32
+        # lane 0 alone adds what is not split: the down bias, and a shared expert held whole
+        self.shared_scale = 1.0 if shared_split or lane == 0 else 0.0
 
     def load(self, w, prefix: str) -> None:
         """`w` a models.weights.WeightLoader; prefix "blk.N."."""
+        from vegaserve.engine.distributed.sharding import slice_cols, slice_expert_cols, slice_expert_rows, slice_rows
+
         cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
+        rows = (self.lane * self.ff, self.ff)
         self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden))
         bias = cfg.biases
         if bias:
             self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
-        self.gate_up.load([w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)) for n in ("gate", "up")],
-                          w.device, [w.vector(prefix + f"ffn_{n}_exps.bias", (e, f)) for n in ("gate", "up")]
-                          if bias else None)
-        self.down.load([w.source(prefix + "ffn_down_exps.weight", (e, hidden, f))], w.device,
-                       [w.vector(prefix + "ffn_down_exps.bias", (e, hidden))] if bias else None)
+        self.gate_up.load(
+            [slice_expert_rows(w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)), *rows) for n in ("gate", "up")],
+            w.device,
+            [w.vector(prefix + f"ffn_{n}_exps.bias", (e, f))[:, rows[0] : sum(rows)] for n in ("gate", "up")]
+            if bias else None)
+        down_bias = None
+        if bias:
+            down_bias = [w.vector(prefix + "ffn_down_exps.bias", (e, hidden)) * (1.0 if self.lane == 0 else 0.0)]
+        self.down.load([slice_expert_cols(w.source(prefix + "ffn_down_exps.weight", (e, hidden, f)), *rows)], w.device,
+                       down_bias)
         if cfg.shared_ff:
-            s = cfg.shared_ff
-            self.shared_gate_up.load([w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)) for n in ("gate", "up")],
-                                     w.device)
-            self.shared_down.load([w.source(prefix + "ffn_down_shexp.weight", (hidden, s))], w.device)
+            s, lane = cfg.shared_ff, self.lane if self.shared_tp > 1 else 0
+            srows = (lane * self.shared_ff, self.shared_ff)
+            self.shared_gate_up.load(
+                [slice_rows(w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)), *srows) for n in ("gate", "up")],
+                w.device)
+            self.shared_down.load([slice_cols(w.source(prefix + "ffn_down_shexp.weight", (hidden, s)), *srows)],
+                                  w.device)
             name = prefix + "ffn_gate_inp_shexp.weight"  # [1, H] as converted, [H] once llama-quantize wrote it
             shape = (1, hidden) if w.gguf.info(name).shape == (1, hidden) else (hidden,)
             self.shared_gate = w.vector(name, shape).reshape(hidden)
@@ -114,7 +138,7 @@ class MoE(nn.Module):
         return False
 
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
-        """x [T, H] (the normed input) -> [T, H]."""
+        """x [T, H] (the normed input) -> [T, H], this lane's partial sum under tensor parallelism."""
         T, k = x.shape[0], self.cfg.used
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits, self.cfg)
@@ -122,7 +146,7 @@ class MoE(nn.Module):
         h = expert_act(self.gate_up(x, a, k, T), self.cfg)
         y = self.down(h, a, 1, T).view(T, k, self.hidden)
         out = (y * weights[..., None]).sum(dim=1)
-        if self.shared_gate_up is not None:
+        if self.shared_gate_up is not None and self.shared_scale:
             shared = self.shared_down(expert_act(self.shared_gate_up(x), self.cfg))
             out = out + torch.sigmoid(x.float() @ self.shared_gate)[:, None] * shared
         return out

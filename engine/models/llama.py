@@ -40,7 +40,8 @@ from vegaserve.engine.models.weights import WeightLoader
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int) -> None:
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, comm: Communicator, cache_layer: int,
+                 shared_split: bool = True) -> None:
         super().__init__()
         self.index = index  # the GGUF layer (tensor names)
         self.cache_layer = cache_layer  # its place in this rank's KV cache
@@ -61,8 +62,8 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        if cfg.moe is not None:  # one lane: topology.check_model_splits refuses experts split over lanes
-            self.ffn: DenseMLP | MoE = MoE(cfg.hidden_size, cfg.moe, method)
+        if cfg.moe is not None:
+            self.ffn: DenseMLP | MoE = MoE(cfg.hidden_size, cfg.moe, method, tp, lane, shared_split)
         else:
             self.ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, method, tp, lane)
         self.split = [q_size, kv_size, kv_size]
@@ -137,14 +138,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, method: QuantMethod, max_positions: int, comm: Communicator | None = None,
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, shared_split: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.method = method
         self.max_positions = max_positions
         self.comm = comm = comm or LocalCommunicator()
         self.layer_range = range(cfg.n_layers) if layers is None else layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j, shared_split)
                                     for j, i in enumerate(self.layer_range))
         self.vocab0, vocab_rows, self.vocab_width = vocab_slice(cfg.vocab_size, comm.tp, comm.lane)
         self.embed = QuantEmbedding(vocab_rows, cfg.hidden_size) if comm.is_first_stage else None

@@ -41,11 +41,11 @@ def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None
 def load_model(
     gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
     tuning_file: str | None = None, comm: Communicator | None = None, layers: range | None = None,
-    q8_1_cache: bool = True,
+    q8_1_cache: bool = True, shared_split: bool = True,
 ) -> LoadedModel:
     """The model, or with `comm` one rank's share of it: the `layers` of its pipeline stage, sliced for its
     tensor-parallel lane (models/llama.py). q8_1_cache: the int8 mat-vecs share x's q8_1 copy (config
-    kernels.q8_1_cache)."""
+    kernels.q8_1_cache); shared_split: a shared expert split over the lanes (config kernels.shexp_split)."""
     arch_name = gguf.architecture
     cls = ARCHITECTURES.get(arch_name)
     if cls is None:
@@ -54,7 +54,7 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache), max_positions, comm, layers)
+    model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache), max_positions, comm, layers, shared_split)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

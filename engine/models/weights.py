@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 from tqdm import tqdm
 
-from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
+from vegaserve.engine.gguf_file import GGUFFile
 from vegaserve.engine.layers.linear import WeightSource, check_shape, dequantize_source
 
 log = logging.getLogger(__name__)

@@ -169,6 +169,7 @@ ENV_CASES: dict[str, tuple[str, str, str, object]] = {
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
+    "LLAMA_SHEXP_SPLIT": ("0", "kernels", "shexp_split", False),
     "VEGASERVE_ASYNC_DECODE": ("0", "scheduler", "async_decode", False),
 }
 FLAG_SWITCHES = [n for n, (_, _, _, expected) in ENV_CASES.items() if isinstance(expected, bool)]
@@ -232,7 +233,7 @@ def test_bad_integer_value_is_refused_naming_the_variable(value: str) -> None:
 
 THE_FORKS_MI50_ENVIRONMENT = {
     "GGML_ENABLE_CUSTOM_AR": "1", "GGML_TP_AR_TWOSHOT": "1", "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "bf16",
-    "LLAMA_ENABLE_MTP_OPT": "1", "LLAMA_SHEXP_SPLIT": "1", "LLAMA_PLE_SHARD": "1",
+    "LLAMA_ENABLE_MTP_OPT": "1", "LLAMA_PLE_SHARD": "1",
 }  # fmt: skip
 
 

@@ -156,14 +156,23 @@ def test_the_gpu_path_agrees_with_transformers(name):
     assert counted > 50 and agree == counted, (name, agree, counted)
 
 
-def test_experts_over_tensor_parallel_lanes_are_refused_before_any_worker_starts():
+def test_an_expert_split_that_would_cut_a_quantization_block_is_refused_before_any_worker_starts():
+    """Each lane holds 16 of every expert's 32 intermediate columns: whole F32 elements, but half a Q8_0
+    block of the down projection, which is refused naming the tensor and the numbers; a shared expert that
+    does not divide over the lanes is refused unless held whole (LLAMA_SHEXP_SPLIT=0)."""
+    from dataclasses import replace
+
     from vegaserve.engine.config import ConfigError
     from vegaserve.engine.distributed.topology import Topology, check_model_splits
     from vegaserve.engine.gguf_file import GGUFFile
     from vegaserve.engine.models.arch_config import arch_config_from_gguf
 
-    gguf = GGUFFile(DATA / "qwen3moe-f32.gguf")
-    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), "qwen3moe")
-    check_model_splits(arch, Topology(1, 2), {}, "m.gguf")  # layers over two stages: served
-    with pytest.raises(ConfigError, match="tensor-parallel devices: not yet"):
-        check_model_splits(arch, Topology(2, 1), {}, "m.gguf")
+    gguf = GGUFFile(DATA / "qwen2moe-f32.gguf")
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), "qwen2moe")
+    check_model_splits(arch, Topology(2, 1), {"attn_output": 1, "ffn_down": 1, "ffn_down_shexp": 1}, "m.gguf")
+    with pytest.raises(ConfigError, match=r"ffn_down would be split into slices of 16 columns, which cuts its 32"):
+        check_model_splits(arch, Topology(2, 1), {"attn_output": 32, "ffn_down": 32, "ffn_down_shexp": 32}, "m.gguf")
+    odd = replace(arch, moe=replace(arch.moe, shared_ff=63))
+    with pytest.raises(ConfigError, match="shared expert's size 63 does not divide over 2"):
+        check_model_splits(odd, Topology(2, 1), {"attn_output": 1, "ffn_down": 1}, "m.gguf")
+    check_model_splits(odd, Topology(2, 1), {"attn_output": 1, "ffn_down": 1}, "m.gguf", shared_split=False)
