@@ -64,9 +64,14 @@ class QuantMethod:
         """An ExpertLinear's E matrices (engine/layers/moe.py) from GGUF 3-D tensors [E, rows, K]."""
         raise NotImplementedError
 
-    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
-        """y[a] = W[ids[a]] x[a // x_div] for each assignment a: [A, N] f32."""
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
+                      q8_1: tuple | None = None) -> torch.Tensor:
+        """y[a] = W[ids[a]] x[a // x_div] for each assignment a: [A, N] f32; q8_1: x's q8_1 copy where
+        experts_want_q8_1."""
         raise NotImplementedError
+
+    def experts_want_q8_1(self, layer, tokens: int) -> bool:
+        return False
 
 
 class ReferenceMethod(QuantMethod):
@@ -93,7 +98,8 @@ class ReferenceMethod(QuantMethod):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
-    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
+                      q8_1: tuple | None = None) -> torch.Tensor:
         y = torch.empty(ids.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
         for e in ids.unique().tolist():  # the experts in use, each over all its assignments
             sel = (ids == e).nonzero()[:, 0]
@@ -182,15 +188,23 @@ class TritonMethod(QuantMethod):
             if self.expert_scratch is None or self.expert_scratch.numel() < e * rows * k:
                 self.expert_scratch = torch.empty(e * rows * k, dtype=self.gemm_dtype, device=layer.device)
 
-    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+    def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
+                      q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.matvec_launch import Experts
         from vegaserve.triton_kernels.moe import expert_matmul
+        from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
         experts = Experts(ids, x_div)
         grouped = not self._decode(tokens)
-        outs = [expert_matmul(x, w, experts, c, grouped, scratch=self.expert_scratch)
+        if not grouped and q8_1 is None and any(c.kernel.int8 for c in layer.tuned):
+            q8_1 = quantize_q8_1(x)  # once for every int8 stack of the layer
+        outs = [expert_matmul(x, w, experts, c, grouped, q8_1=q8_1 if c.kernel.int8 else None,
+                              scratch=self.expert_scratch)
                 for w, c in zip(layer.packed, layer.tuned, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def experts_want_q8_1(self, layer, tokens: int) -> bool:
+        return self.q8_1_cache and self._decode(tokens) and any(c.kernel.int8 for c in layer.tuned)
 
     def _decode(self, m: int) -> bool:
         return m < self.tuning.dense_from_m and m <= 8

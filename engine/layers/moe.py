@@ -47,11 +47,17 @@ class ExpertLinear(nn.Module):
         if biases is not None:
             self.bias = torch.cat([b.float() for b in biases], dim=1).to(device)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int, add_bias: bool = True,
+                q8_1=None) -> torch.Tensor:
         """x [R, K], ids [A] (the expert of each assignment, int64), x_div: assignments a row of x serves,
-        tokens: the step's tokens (which path the quant method takes) -> [A, N] f32."""
-        y = self.method.apply_experts(self, x, ids, x_div, tokens)
-        return y if self.bias is None else y + self.bias[ids]
+        tokens: the step's tokens (which path the quant method takes) -> [A, N] f32; q8_1: x's q8_1 copy
+        where wants_q8_1; add_bias False: the caller adds the experts' biases itself."""
+        y = self.method.apply_experts(self, x, ids, x_div, tokens, q8_1)
+        return y if self.bias is None or not add_bias else y + self.bias[ids]
+
+    def wants_q8_1(self, tokens: int) -> bool:
+        """Whether forward for a step of `tokens` takes x's q8_1 copy (the op before may write it)."""
+        return self.method.experts_want_q8_1(self, tokens)
 
 
 def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,10 +141,13 @@ class MoE(nn.Module):
             self.shared_gate = w.vector(name, shape).reshape(hidden)
 
     def wants_q8_1(self, m: int) -> bool:
-        return False
+        return self.gate_up.wants_q8_1(m)
 
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
-        """x [T, H] (the normed input) -> [T, H], this lane's partial sum under tensor parallelism."""
+        """x [T, H] (the normed input; xq its q8_1 copy where wants_q8_1) -> [T, H], this lane's partial sum
+        under tensor parallelism."""
+        if x.is_cuda:
+            return self._forward_kernels(x, xq)
         T, k = x.shape[0], self.cfg.used
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits, self.cfg)
@@ -150,3 +159,24 @@ class MoE(nn.Module):
             shared = self.shared_down(expert_act(self.shared_gate_up(x), self.cfg))
             out = out + torch.sigmoid(x.float() @ self.shared_gate)[:, None] * shared
         return out
+
+    def _forward_kernels(self, x: torch.Tensor, xq) -> torch.Tensor:
+        """forward on a GPU: the routing, the experts' activation and the weighted sum one launch each
+        (triton_kernels/moe_ops.py), the activation writing the down projection's q8_1 input."""
+        from vegaserve.engine.layers.norm import silu_mul_q8_1
+        from vegaserve.triton_kernels import moe_ops
+
+        cfg, T, k = self.cfg, x.shape[0], self.cfg.used
+        logits = F.linear(x.float(), self.router, self.router_bias)
+        weights, ids = moe_ops.route(logits, k, cfg.gating == "softmax", cfg.norm_topk)
+        a = ids.reshape(-1)
+        gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq)
+        want = self.down.wants_q8_1(T)
+        h = moe_ops.expert_act(gate_up, cfg.act == "swiglu_oai", cfg.alpha, cfg.limit, self.gate_up.bias, a, want)
+        h, hq = h if want else (h, None)
+        y = self.down(h, a, 1, T, add_bias=False, q8_1=hq)
+        shared = logit = None
+        if self.shared_gate_up is not None and self.shared_scale:
+            shared = self.shared_down(*silu_mul_q8_1(self.shared_gate_up(x), self.shared_down.wants_q8_1(T)))
+            logit = x.float() @ self.shared_gate
+        return moe_ops.combine(y, weights, ids, self.down.bias, shared, logit)

@@ -1,6 +1,7 @@
 """The mixture-of-experts layer (engine/layers/moe.py) on the GPU's quant method (TritonMethod: experts
-stacked per expert, the expert matmuls of triton_kernels/moe.py) against the CPU's (ReferenceMethod: each
-expert dequantized, torch), on the converted tiny models' first layer (tests/data/moe): a decode-sized step
+stacked per expert, the expert matmuls of triton_kernels/moe.py, and its kernel path with the routing,
+activation and weighted sum of triton_kernels/moe_ops.py) against the CPU's (ReferenceMethod: each expert
+dequantized, torch), on the converted tiny models' first layer (tests/data/moe): a decode-sized step
 (the expert mat-vecs) and a prefill-sized one (the grouped GEMM), the shared expert (qwen2moe) and gpt-oss's
 biases and clamped SwiGLU included. And the router: every id it gives is an expert, whatever the logits.
 Under the interpreter on a CPU (the grouped GEMM's scratch in f32 there: the interpreter has no bf16)."""
@@ -39,8 +40,11 @@ def test_the_gpu_method_gives_the_reference_layers_output(name, tokens):
     x = torch.randn(tokens, reference.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     want = reference(x)
     got = triton_moe(x)
-    assert torch.isfinite(got).all()
-    assert float((got - want).norm() / want.norm()) < 1e-5, (name, tokens)
+    # the GPU's path whatever the device: routing, activation and weighted sum as kernels (moe_ops)
+    fused = triton_moe._forward_kernels(x, None)
+    for y in (got, fused):
+        assert torch.isfinite(y).all()
+        assert float((y - want).norm() / want.norm()) < 1e-5, (name, tokens)
 
 
 def test_router_ids_are_experts_whatever_the_logits():
@@ -67,3 +71,32 @@ def test_expert_tensors_that_disagree_with_the_metadata_are_refused():
     md = {**src.metadata, "qwen3moe.expert_used_count": 9}
     with pytest.raises(ModelLoadError, match=r"expert_used_count 9 .*expert_count 8"):
         arch_config_from_gguf(md, set(src.tensors), "bad.gguf")
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_the_kernel_path_hands_the_int8_experts_their_q8_1_copies(name, monkeypatch, tmp_path):
+    """Q8_0 experts on the int8 kernel (a tuning file naming it): the activation kernel writes the down
+    projection's q8_1 input and x's comes from the caller (the norm, in a model), so no quantize launch runs
+    in the layer; the output equals the layer's with each expert matmul quantizing its own input."""
+    import json
+
+    from vegaserve.triton_kernels import q8_1 as q8_1_module
+    from vegaserve.triton_kernels.q8_1 import quantize_q8_1
+
+    tuning = tmp_path / f"{name}.json"
+    tuning.write_text(json.dumps({"matvec": {"Q8_0": {"any": {"1": {"kernel": "int8"}}}}}))
+    gguf = GGUFFile(DATA / f"{name}-q8_0.gguf")
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), name)
+    moe = MoE(arch.hidden_size, arch.moe, TritonMethod(gemm_dtype=torch.float32, tuning_file=str(tuning)))
+    moe.load(WeightLoader(gguf, DEVICE, torch.float32, show_progress=False), "blk.1.")
+    assert moe.wants_q8_1(3) and moe.down.wants_q8_1(3) and not moe.wants_q8_1(12)
+    x = torch.randn(3, arch.hidden_size, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    want = moe.forward(x) if not x.is_cuda else None
+    xq = quantize_q8_1(x)
+    calls = []
+    real = q8_1_module.quantize_q8_1
+    monkeypatch.setattr(q8_1_module, "quantize_q8_1", lambda t: calls.append(t.shape) or real(t))
+    got = moe._forward_kernels(x, xq)
+    assert calls == []
+    if want is not None:
+        assert float((got - want).norm() / want.norm()) < 1e-4

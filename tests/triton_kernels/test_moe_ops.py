@@ -1,0 +1,79 @@
+"""The mixture-of-experts layer's small operations (triton_kernels/moe_ops.py) against engine/layers/moe.py's
+torch code: routing (both gatings, k not a power of two, ties, NaN and infinite logits: every id an expert,
+the k distinct), the experts' activations with their biases and q8_1 copy, and the weighted sum with the down
+biases and the gated shared expert. Outputs poisoned with NaN. Under the interpreter on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vegaserve.engine.layers import moe as layer
+from vegaserve.engine.models.arch_config import MoEConfig
+from vegaserve.triton_kernels.moe_ops import combine, expert_act, route
+from vegaserve.triton_kernels.q8_1 import reference_quantize_q8_1
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
+@pytest.mark.parametrize("gating, norm", [("softmax", True), ("softmax", False), ("topk_softmax", False)])
+@pytest.mark.parametrize("k", [1, 4, 6])
+def test_routing_equals_the_layers_torch_routing(gating, norm, k):
+    logits = torch.randn(7, 12, generator=torch.Generator().manual_seed(k)) * 3
+    cfg = MoEConfig(experts=12, used=k, expert_ff=8, gating=gating, norm_topk=norm)
+    want_w, want_ids = layer.route(logits, cfg)
+    w, ids = route(logits.to(DEVICE), k, gating == "softmax", norm)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert torch.allclose(w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_takes_every_id_from_the_experts_whatever_the_logits():
+    logits = torch.tensor([[float("nan")] * 8, [float("inf"), float("-inf")] + [0.0] * 6, [1.0] * 8,
+                           [0.0, float("nan"), 3.0, float("inf"), -1.0, 2.0, float("-inf"), 0.5],
+                           [float("-inf")] * 8])
+    for softmax in (True, False):
+        _, ids = route(logits.to(DEVICE), 3, softmax, True)
+        ids = ids.cpu()
+        assert bool(((ids >= 0) & (ids < 8)).all())
+        assert all(len(set(row)) == 3 for row in ids.tolist())
+        assert ids[2].tolist() == [0, 1, 2]  # ties go to the lower id
+        if not softmax:  # (a softmax over an infinite logit is NaN throughout, as torch's)
+            assert ids[3].tolist() == [3, 2, 5]  # +inf first, NaN as -inf
+
+
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_expert_activation_equals_the_layers_with_its_biases_and_q8_1_copy(act, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    A, F, E = 6, 64, 5
+    gate_up = torch.randn(A, 2 * F, generator=gen) * 6  # past the clamp at 7 often
+    ids = torch.tensor([0, 4, 4, 1, 2, 0])
+    bias = torch.randn(E, 2 * F, generator=gen) if with_bias else None
+    cfg = MoEConfig(experts=E, used=2, expert_ff=F, act=act)
+    want = layer.expert_act(gate_up + (bias[ids] if with_bias else 0), cfg)
+    y, (q, d, s) = expert_act(gate_up.to(DEVICE), act == "swiglu_oai", cfg.alpha, cfg.limit,
+                              bias.to(DEVICE) if with_bias else None, ids.to(DEVICE), q8_1=True)
+    assert torch.allclose(y.cpu(), want, rtol=1e-5, atol=1e-6)
+    rq, rd, rs = reference_quantize_q8_1(y.cpu())
+    assert torch.equal(q.cpu(), rq) and torch.equal(d.cpu(), rd)
+
+
+@pytest.mark.parametrize("with_bias, with_shared", [(False, False), (True, False), (False, True), (True, True)])
+def test_combine_sums_each_tokens_experts_with_their_weights(with_bias, with_shared):
+    gen = torch.Generator().manual_seed(4)
+    T, k, H, E = 3, 2, 96, 5
+    y = torch.randn(T * k, H, generator=gen)
+    w = torch.rand(T, k, generator=gen)
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    bias = torch.randn(E, H, generator=gen) if with_bias else None
+    shared = torch.randn(T, H, generator=gen) if with_shared else None
+    logit = torch.randn(T, generator=gen) if with_shared else None
+    want = ((y + (bias[ids.reshape(-1)] if with_bias else 0)).view(T, k, H) * w[..., None]).sum(1)
+    if with_shared:
+        want = want + torch.sigmoid(logit)[:, None] * shared
+    dev = {t: (v.to(DEVICE) if v is not None else None) for t, v in
+           {"b": bias, "s": shared, "l": logit}.items()}
+    out = combine(y.to(DEVICE), w.to(DEVICE), ids.to(DEVICE), dev["b"], dev["s"], dev["l"])
+    assert torch.allclose(out.cpu(), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,159 @@
+"""The small per-token operations of a mixture-of-experts layer, one launch each (engine/layers/moe.py's
+torch code is their reference and the CPU path):
+
+  route    router logits [T, E] -> the top k experts' weights [T, k] f32 and ids [T, k] int64. SOFTMAX
+           gating: softmax over all E, the k largest probabilities (renormalized to sum 1 where NORM);
+           else the k largest logits, softmax over them (gpt-oss). The k are taken largest first, ties to
+           the lower id; a NaN logit counts as -inf, so every id is an expert and the k are distinct.
+  act      each assignment's gate/up [A, 2F] (+ its expert's biases) -> silu(g) * u, or gpt-oss's clamped
+           SwiGLU min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1), with its q8_1 copy for the
+           down projection's int8 kernels where asked.
+  combine  out[t] = sum_j w[t, j] (y[t k + j] + b[ids[t k + j]]) (+ sigmoid(s[t]) shared[t]): the token's k
+           experts' outputs with their weights and the down biases, and the shared expert's gated output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vegaserve.triton_kernels import pdl
+from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    live = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf
+    if SOFTMAX:
+        x = tl.exp(x - tl.max(x, 0))
+        x = x / tl.sum(x, 0)
+    taken = e >= E
+    kk = tl.arange(0, K_P2)
+    top = tl.zeros([K_P2], tl.float32)
+    idx = tl.zeros([K_P2], tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(taken, float("-inf"), x), 0)
+        pick = tl.min(tl.where((x == best) & ~taken, e, E_P2), 0)
+        # no match: the row's values are NaN (a softmax of all -inf), so the first expert not yet taken
+        pick = tl.where(pick < E_P2, pick, tl.min(tl.where(~taken, e, E_P2), 0))
+        taken = taken | (e == pick)
+        top = tl.where(kk == j, best, top)
+        idx = tl.where(kk == j, pick, idx)
+    chosen = kk < K
+    if SOFTMAX:
+        if NORM:
+            top = top / tl.sum(tl.where(chosen, top, 0.0), 0)
+    else:
+        top = tl.exp(top - tl.max(tl.where(chosen, top, float("-inf")), 0))
+        top = top / tl.sum(tl.where(chosen, top, 0.0), 0)
+    tl.store(w_ptr + t * K + kk, top, mask=chosen)
+    tl.store(ids_ptr + t * K + kk, idx.to(tl.int64), mask=chosen)
+
+
+def route(logits: torch.Tensor, k: int, softmax: bool, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] f32, ids [T, k] int64), 1 <= k <= E."""
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"route: top {k} of {E} experts")
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, w, ids, E, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
+                            E_P2=triton.next_power_of_2(E), SOFTMAX=softmax, NORM=norm,
+                            **pdl.launch_args(logits.device))
+    return w, ids
+
+
+@triton.jit
+def _act_kernel(x_ptr, b_ptr, ids_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, stride_x, F, alpha, limit,
+                BLOCK: tl.constexpr, SWIGLU_OAI: tl.constexpr, BIAS: tl.constexpr, Q8: tl.constexpr,
+                PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < F
+    g = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + F + cols, mask=live, other=0.0).to(tl.float32)
+    if BIAS:  # [E, 2F]: gate's then up's
+        b = b_ptr + tl.load(ids_ptr + row) * (2 * F)
+        g += tl.load(b + cols, mask=live, other=0.0)
+        u += tl.load(b + F + cols, mask=live, other=0.0)
+    if SWIGLU_OAI:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    else:
+        y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + row * F + cols, y, mask=live)
+    if Q8:  # this program's BLOCK // 32 blocks of the row's q8_1
+        store_q8_1(y, tl.program_id(1) * (BLOCK // 32), q_ptr + row * F, qd_ptr + row * (F // 32),
+                   qs_ptr + row * (F // 32), F // 32, BLOCK // 32)
+
+
+def expert_act(gate_up: torch.Tensor, swiglu_oai: bool, alpha: float = 1.702, limit: float = 7.0,
+               bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+               q8_1: bool = False) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
+    """gate_up [A, 2F] f32 (gate then up) -> [A, F] f32; bias [E, 2F] by ids [A]; with q8_1 (F a multiple of
+    32), (that, its q8_1)."""
+    A, F2 = gate_up.shape
+    if F2 % 2 or gate_up.stride(1) != 1 or (bias is not None and (ids is None or bias.shape[1] != F2)):
+        raise ValueError(f"expert_act takes [A, 2F] with unit stride (and [E, 2F] biases with ids); got "
+                         f"{tuple(gate_up.shape)}")
+    F = F2 // 2
+    y = torch.empty(A, F, dtype=torch.float32, device=gate_up.device)
+    q8 = q8_1_buffers(A, F, gate_up.device) if q8_1 else None
+    block = max(32, min(1024, triton.next_power_of_2(F)))
+    if A:
+        _act_kernel[(A, triton.cdiv(F, block))](
+            gate_up, bias if bias is not None else gate_up, ids if ids is not None else gate_up, y,
+            *(q8 or (y, y, y)), gate_up.stride(0), F, alpha, limit, BLOCK=block, SWIGLU_OAI=swiglu_oai,
+            BIAS=bias is not None, Q8=q8 is not None, **pdl.launch_args(gate_up.device))
+    return (y, q8) if q8_1 else y
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, out_ptr, H, K: tl.constexpr,
+                    BLOCK: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        a = t * K + j
+        v = tl.load(y_ptr + a * H + cols, mask=live, other=0.0)
+        if BIAS:
+            v += tl.load(b_ptr + tl.load(ids_ptr + a) * H + cols, mask=live, other=0.0)
+        acc += tl.load(w_ptr + a) * v
+    if SHARED:
+        s = tl.load(gate_ptr + t)
+        acc += tl.load(shared_ptr + t * H + cols, mask=live, other=0.0) / (1.0 + tl.exp(-s))
+    tl.store(out_ptr + t * H + cols, acc, mask=live)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None = None,
+            shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T k, H] f32, weights and ids [T, k] -> [T, H] f32: each token's experts' outputs (+ their down
+    biases [E, H]) weighted and summed, + sigmoid(shared_logit [T]) shared [T, H] where given."""
+    T, k = weights.shape
+    H = y.shape[1]
+    if y.shape[0] != T * k or (shared is None) != (shared_logit is None):
+        raise ValueError(f"combine: {tuple(y.shape)} rows for {T} tokens of {k} experts")
+    out = torch.empty(T, H, dtype=torch.float32, device=y.device)
+    block = max(32, min(1024, triton.next_power_of_2(H)))
+    if T:
+        _combine_kernel[(T, triton.cdiv(H, block))](
+            y, weights, ids, bias if bias is not None else y, shared if shared is not None else y,
+            shared_logit if shared_logit is not None else y, out, H, K=k, BLOCK=block, BIAS=bias is not None,
+            SHARED=shared is not None, **pdl.launch_args(y.device))
+    return out
