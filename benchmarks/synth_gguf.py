@@ -4,8 +4,15 @@ like the real ones (the text they generate is noise).
 
     python benchmarks/synth_gguf.py --preset llama3-8b --type Q4_K_M --out /tmp/x.gguf [--layers 2] [--seed 0]
 
-Weight types: `Q4_K_M` is llama-quantize's mix (below); `MXFP4` puts token_embd and output in Q8_0, as
-llama.cpp's MXFP4 models do; any other served type is used for every matrix. Norms are F32 around 1.
+Presets: dense llama3-8b, qwen3-14b, llama-1b; mixture-of-experts qwen3-30b-a3b (qwen3moe) and gpt-oss-20b,
+gpt-oss-120b (gpt-oss), with the tensor names, shapes and `{arch}.*` keys llama.cpp's converter writes.
+`--layers N` keeps the first N layers.
+
+Weight types: `Q4_K_M` is llama-quantize's mix (`matrix_type`); `MXFP4` on a dense model puts token_embd
+and output in Q8_0, as llama.cpp's MXFP4 models do, and on a mixture of experts is llama-quantize's
+MXFP4_MOE: the experts MXFP4, every other matrix Q8_0 (the published gpt-oss files); any other served type
+is used for every matrix. Norms, biases, attention sinks and the experts' router stay F32 (llama-quantize
+leaves 1-D tensors, biases and ffn_gate_inp alone); norms are drawn around 1, the rest around 0.
 
 Tokenizer: SmolLM2's vocabulary and chat template (read from the embedded model), padded with control
 tokens `<|pad_N|>` up to the preset's vocabulary size. tests/gguf_factory.py writes its tokenizer with the
@@ -13,12 +20,16 @@ same function (`add_smollm2_tokenizer`).
 
 Memory and time: each matrix is generated and written row chunk by row chunk (about 64 MiB at a time), so
 a model never sits in memory; one thread generates about 250 MB/s of blocks: llama3-8b Q4_K_M (4.92 GB,
-65 F32 / 193 Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine.
+65 F32 / 193 Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine. Full
+sizes: qwen3-30b-a3b Q4_K_M 17.28 GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB (the
+tensor bytes llama.cpp reports for the published files; qwen3-30b-a3b took 3.4 min on the same machine,
+at most 0.44 GB resident); gpt-oss-120b cut to 12 layers 20.44 GiB.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -83,42 +94,70 @@ def add_smollm2_tokenizer(
 
 # -- shapes ---------------------------------------------------------------------------------------------
 
+_MOE_ARCHS = ("qwen3moe", "gpt-oss")
+
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # llama | qwen3 (qwen3: q/k RMSNorm per head)
+    """A decoder's shapes and the hyperparameters llama.cpp reads for its architecture. arch: llama | qwen3
+    (q/k RMSNorm per head) | qwen3moe (qwen3 with experts) | gpt-oss (experts; biases on attention and experts,
+    a sink logit per head, sliding-window attention on every other layer, YaRN)."""
+
+    arch: str
     n_layers: int
     hidden: int
     n_heads: int
     n_kv_heads: int
-    ffn: int
+    ffn: int  # dense feed-forward width (on a mixture of experts only the feed_forward_length key)
     vocab: int
     context: int
     rope_theta: float
     rms_eps: float = 1e-5
     head_dim_override: int = 0  # 0: hidden / n_heads
     tied: bool = False  # no output.weight: the embedding is the LM head
+    experts: int = 0  # > 0: every layer's feed-forward is this many experts of width expert_ff, a router
+    experts_used: int = 0  # picking this many per token
+    expert_ff: int = 0
+    sliding_window: int = 0  # > 0: attention.sliding_window (gpt-oss: the even layers slide)
+    yarn_factor: float = 0.0  # > 0: YaRN rope scaling of a model trained at yarn_context positions
+    yarn_context: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.arch in _MOE_ARCHS) != (self.experts > 0):
+            raise ValueError(f"{self.arch}: experts={self.experts} (mixture-of-experts archs: {_MOE_ARCHS})")
+        if self.experts and not 0 < self.experts_used <= self.experts:
+            raise ValueError(f"experts_used {self.experts_used} must be in 1..{self.experts}")
 
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden // self.n_heads
 
 
+# From each model's config.json (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b and -120b); gpt-oss's YaRN betas
+# (32, 1) are llama.cpp's defaults and written explicitly, as its converter does
+_GPT_OSS_20B = Preset("gpt-oss", 24, 2880, 64, 8, 2880, 201088, 131072, 150000.0, head_dim_override=64,
+                      experts=32, experts_used=4, expert_ff=2880, sliding_window=128, yarn_factor=32.0,
+                      yarn_context=4096)  # fmt: skip
 PRESETS: dict[str, Preset] = {
     "llama3-8b": Preset("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
     "qwen3-14b": Preset("qwen3", 40, 5120, 40, 8, 17408, 151936, 40960, 1e6, rms_eps=1e-6, head_dim_override=128),
     # Llama 3.2 1B ties its embedding; its rope scaling (llama3 type) is left out: it does not change speed
     "llama-1b": Preset("llama", 16, 2048, 32, 8, 8192, 128256, 8192, 500000.0, tied=True),
+    "qwen3-30b-a3b": Preset("qwen3moe", 48, 2048, 32, 4, 6144, 151936, 40960, 1e6, rms_eps=1e-6,
+                            head_dim_override=128, experts=128, experts_used=8, expert_ff=768),
+    "gpt-oss-20b": _GPT_OSS_20B,
+    "gpt-oss-120b": replace(_GPT_OSS_20B, n_layers=36, experts=128),
     # for tests: SmolLM2's 49152 tokens + 64 padded control tokens
     "tiny": Preset("llama", 2, 256, 4, 2, 512, 49152 + 64, 2048, 10000.0),
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    shape: tuple[int, ...]  # numpy order: (rows, cols) or (n,)
+    shape: tuple[int, ...]  # numpy order: (n,), (rows, cols) or (experts, rows, cols)
     type_name: str
+    around: float | None = None  # F32 values drawn around this (norms 1, biases 0); None: random blocks
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -131,16 +170,21 @@ _MIXES = ("Q4_K_M",)
 TYPE_CHOICES = (*_MIXES, *(s.name for s in GGML_TYPES.values()))
 
 
-def matrix_type(kind: str, i_layer: int, n_layers: int, type_name: str, tied: bool) -> str:
-    """The weight type of matrix `kind` (token_embd, output, attn_q, ..., ffn_down) in layer `i_layer`."""
+def matrix_type(kind: str, i_layer: int, n_layers: int, type_name: str, tied: bool, moe: bool = False) -> str:
+    """The weight type of matrix `kind` (token_embd, output, attn_q, ..., ffn_down, ffn_down_exps, ...) in
+    layer `i_layer`, as src/llama-quant.cpp's llama_tensor_get_type_impl picks it. Its rules for models of
+    exactly 8 experts (Mixtral) are left out: no preset has 8."""
     if type_name == "Q4_K_M":
-        # llama-quantize: output (and a tied embedding, which is the output) Q6_K; attn_v and ffn_down Q6_K
-        # on the use-more-bits layers; Q4_K elsewhere, the untied token_embd included
+        # output (and a tied embedding, which is the output) Q6_K; attn_v and ffn_down (the experts' down
+        # matrices too: a tensor named ffn_down*) Q6_K on the use-more-bits layers; Q4_K elsewhere, the untied
+        # token_embd included. attn_v counts its layer by the attn_v tensors before it: file order, = i_layer
         if kind == "output" or (kind == "token_embd" and tied):
             return "Q6_K"
-        if kind in ("attn_v", "ffn_down") and use_more_bits(i_layer, n_layers):
+        if kind in ("attn_v", "ffn_down", "ffn_down_exps") and use_more_bits(i_layer, n_layers):
             return "Q6_K"
         return "Q4_K"
+    if type_name == "MXFP4" and moe:  # MXFP4_MOE: 3-D tensors (the experts) MXFP4, other matrices Q8_0
+        return "MXFP4" if kind.endswith("_exps") else "Q8_0"
     if type_name == "MXFP4" and kind in ("token_embd", "output"):
         return "Q8_0"
     return type_name
@@ -152,35 +196,49 @@ def tensor_plan(p: Preset, type_name: str) -> list[PlannedTensor]:
         raise ValueError(f"unknown weight type {type_name!r} (known: {', '.join(TYPE_CHOICES)})")
     plan: list[PlannedTensor] = []
 
-    def matrix(name: str, kind: str, i: int, rows: int, cols: int) -> None:
-        t = matrix_type(kind, i, p.n_layers, type_name, p.tied)
+    def matrix(name: str, kind: str, i: int, *shape: int) -> None:
+        t = matrix_type(kind, i, p.n_layers, type_name, p.tied, p.experts > 0)
         block = next(s.block_size for s in GGML_TYPES.values() if s.name == t)
-        if cols % block:
-            raise ValueError(f"{name}: {cols} columns do not hold whole {t} blocks of {block}")
-        plan.append(PlannedTensor(name, (rows, cols), t))
+        if shape[-1] % block:
+            raise ValueError(f"{name}: {shape[-1]} columns do not hold whole {t} blocks of {block}")
+        plan.append(PlannedTensor(name, shape, t))
 
-    def vector(name: str, n: int) -> None:
-        plan.append(PlannedTensor(name, (n,), "F32"))
+    def f32(name: str, *shape: int, around: float = 0.0) -> None:
+        plan.append(PlannedTensor(name, shape, "F32", around))
 
-    q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
-    matrix("token_embd.weight", "token_embd", 0, p.vocab, p.hidden)
+    q, kv, h, oai = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim, p.hidden, p.arch == "gpt-oss"
+    matrix("token_embd.weight", "token_embd", 0, p.vocab, h)
     for i in range(p.n_layers):
         b = f"blk.{i}."
-        vector(b + "attn_norm.weight", p.hidden)
-        matrix(b + "attn_q.weight", "attn_q", i, q, p.hidden)
-        matrix(b + "attn_k.weight", "attn_k", i, kv, p.hidden)
-        matrix(b + "attn_v.weight", "attn_v", i, kv, p.hidden)
-        if p.arch == "qwen3":
-            vector(b + "attn_q_norm.weight", p.head_dim)
-            vector(b + "attn_k_norm.weight", p.head_dim)
-        matrix(b + "attn_output.weight", "attn_output", i, p.hidden, q)
-        vector(b + "ffn_norm.weight", p.hidden)
-        matrix(b + "ffn_gate.weight", "ffn_gate", i, p.ffn, p.hidden)
-        matrix(b + "ffn_up.weight", "ffn_up", i, p.ffn, p.hidden)
-        matrix(b + "ffn_down.weight", "ffn_down", i, p.hidden, p.ffn)
-    vector("output_norm.weight", p.hidden)
+        f32(b + "attn_norm.weight", h, around=1.0)
+        for n, rows in (("q", q), ("k", kv), ("v", kv)):
+            matrix(b + f"attn_{n}.weight", f"attn_{n}", i, rows, h)
+            if oai:
+                f32(b + f"attn_{n}.bias", rows)
+        if p.arch in ("qwen3", "qwen3moe"):
+            f32(b + "attn_q_norm.weight", p.head_dim, around=1.0)
+            f32(b + "attn_k_norm.weight", p.head_dim, around=1.0)
+        matrix(b + "attn_output.weight", "attn_output", i, h, q)
+        if oai:
+            f32(b + "attn_output.bias", h)
+            f32(b + "attn_sinks.weight", p.n_heads)
+        # gpt-oss names the feed-forward's norm after the attention it follows
+        f32(b + ("post_attention_norm.weight" if oai else "ffn_norm.weight"), h, around=1.0)
+        if p.experts:
+            e, f = p.experts, p.expert_ff
+            f32(b + "ffn_gate_inp.weight", e, h)  # the router
+            if oai:
+                f32(b + "ffn_gate_inp.bias", e)
+            for n, rows, cols in (("gate", f, h), ("up", f, h), ("down", h, f)):
+                matrix(b + f"ffn_{n}_exps.weight", f"ffn_{n}_exps", i, e, rows, cols)
+                if oai:
+                    f32(b + f"ffn_{n}_exps.bias", e, rows)
+        else:
+            for n, rows, cols in (("gate", p.ffn, h), ("up", p.ffn, h), ("down", h, p.ffn)):
+                matrix(b + f"ffn_{n}.weight", f"ffn_{n}", i, rows, cols)
+    f32("output_norm.weight", h, around=1.0)
     if not p.tied:
-        matrix("output.weight", "output", 0, p.vocab, p.hidden)
+        matrix("output.weight", "output", 0, p.vocab, h)
     return plan
 
 
@@ -196,7 +254,7 @@ def _row_bytes(t: PlannedTensor) -> int:
 
 
 def _nbytes(t: PlannedTensor) -> int:
-    return (t.shape[0] if len(t.shape) == 2 else 1) * _row_bytes(t)
+    return math.prod(t.shape[:-1]) * _row_bytes(t)
 
 
 class _StreamedTensor:
@@ -209,10 +267,10 @@ class _StreamedTensor:
 
     def chunks(self) -> Iterator[np.ndarray]:
         t = self.t
-        if len(t.shape) == 1:  # norm weights: F32 around 1
-            yield (1.0 + 0.1 * torch.randn(t.shape[0], generator=self.gen)).numpy().astype(np.float32)
+        if t.around is not None:  # norms, biases, sinks, routers: F32, at most a few MB
+            yield (t.around + 0.1 * torch.randn(math.prod(t.shape), generator=self.gen)).numpy().astype(np.float32)
             return
-        rows, cols = t.shape
+        rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # experts' matrices: E * rows rows
         tid = _TYPE_IDS[t.type_name]
         step = max(1, _CHUNK_BYTES // _row_bytes(t))
         for r0 in range(0, rows, step):
@@ -225,16 +283,19 @@ class _StreamedTensor:
             self.bar.update(chunk.nbytes)
 
 
-def _file_type(type_name: str) -> int | None:
+def _file_type(type_name: str, moe: bool) -> int | None:
     """general.file_type when a llama.cpp ftype names this choice (none for MXFP4 on dense layers)."""
     if type_name == "F32":
         return int(gguf.LlamaFileType.ALL_F32)
+    if type_name == "MXFP4" and moe:
+        return int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     ft = getattr(gguf.LlamaFileType, f"MOSTLY_{type_name}", None)
     return None if ft is None else int(ft)
 
 
 def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
-    """The `{arch}.*` hyperparameter keys of a llama-family decoder (shared with tests/gguf_factory.py)."""
+    """The `{arch}.*` hyperparameter keys of a llama-family decoder, with the experts', sliding window's and
+    YaRN's where the preset has them (shared with tests/gguf_factory.py)."""
     w.add_block_count(p.n_layers)
     w.add_context_length(p.context)
     w.add_embedding_length(p.hidden)
@@ -247,6 +308,18 @@ def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
     w.add_key_length(p.head_dim)
     w.add_value_length(p.head_dim)
     w.add_vocab_size(p.vocab)
+    if p.experts:
+        w.add_expert_count(p.experts)
+        w.add_expert_used_count(p.experts_used)
+        w.add_expert_feed_forward_length(p.expert_ff)
+    if p.sliding_window:
+        w.add_sliding_window(p.sliding_window)
+    if p.yarn_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(p.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(p.yarn_context)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
 
 
 def write_synth_gguf(
@@ -264,15 +337,15 @@ def write_synth_gguf(
 
     w = gguf.GGUFWriter(str(path), p.arch)
     w.add_name(f"synthetic {name} {type_name}")
-    ft = _file_type(type_name)
+    ft = _file_type(type_name, p.experts > 0)
     if ft is not None:
         w.add_file_type(ft)
     add_decoder_hparams(w, p)
     add_smollm2_tokenizer(w, smollm2_tokenizer_metadata(), p.vocab)
-    for t in plan:
-        n = _nbytes(t)
-        w.add_tensor_info(t.name, (t.shape[0], n // t.shape[0]) if len(t.shape) == 2 else t.shape,
-                          np.dtype(np.uint8) if len(t.shape) == 2 else np.dtype(np.float32), n,
+    for t in plan:  # blocks as bytes per row (GGUFWriter turns them into elements), F32 as floats
+        blocks = t.around is None
+        w.add_tensor_info(t.name, (*t.shape[:-1], _row_bytes(t)) if blocks else t.shape,
+                          np.dtype(np.uint8 if blocks else np.float32), _nbytes(t),
                           raw_dtype=gguf.GGMLQuantizationType(_TYPE_IDS[t.type_name]))  # fmt: skip
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,16 +1,23 @@
 """benchmarks/synth_gguf.py: llama.cpp's Q4_K_M type mix per tensor, the other type choices, the padded
-control tokens, and a written file that the engine loads and generates from."""
+control tokens, and a written file that the engine loads and generates from. The mixture-of-experts presets:
+their plans count the tensors and bytes llama.cpp reports for the published files, a preset at the dims of
+tests/data/moe's llama.cpp-converted models plans their tensor names, shapes and types and writes their
+`{arch}.*` keys, and tiny written files load in the engine with finite logits."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
+import gguf
 import pytest
+import torch
 
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
@@ -19,6 +26,7 @@ from vegaserve.engine.request import GenerateRequest, SamplingParams
 N_LAYERS = 8  # use-more-bits layers of 8: i < 1, i >= 7, (i - 1) % 3 == 2  ->  0, 3, 6, 7
 MORE_BITS_OF_8 = {0, 3, 6, 7}
 SMOLLM2_VOCAB = 49152
+MOE_DATA = Path(__file__).resolve().parents[1] / "data" / "moe"
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +111,8 @@ def test_tied_llama_1b_q4_k_m_stores_the_embedding_as_the_output(synth: ModuleTy
 
 
 def test_an_unknown_type_is_refused(synth: ModuleType) -> None:
-    with pytest.raises(ValueError, match="unknown weight type 'Q3_K'"):
-        synth.tensor_plan(synth.PRESETS["tiny"], "Q3_K")
+    with pytest.raises(ValueError, match="unknown weight type 'Q9_0'"):
+        synth.tensor_plan(synth.PRESETS["tiny"], "Q9_0")
 
 
 # -- the written file -----------------------------------------------------------------------------------
@@ -142,3 +150,135 @@ def test_same_seed_writes_the_same_bytes(synth: ModuleType, tmp_path: Path) -> N
         synth.write_synth_gguf(path, "tiny", "Q8_0", n_layers=1, seed=seed)
     a, b, c = (p.read_bytes() for p in paths)
     assert a == b != c
+
+
+# -- mixture-of-experts presets -------------------------------------------------------------------------
+
+
+def _counts_and_gib(synth: ModuleType, preset, type_name: str) -> tuple[dict[str, int], float]:
+    plan = synth.tensor_plan(synth.PRESETS[preset] if isinstance(preset, str) else preset, type_name)
+    return Counter(t.type_name for t in plan), round(sum(synth._nbytes(t) for t in plan) / 2**30, 2)
+
+
+def test_qwen3_30b_a3b_q4_k_m_plan_counts_the_tensors_and_bytes_llama_cpp_reports(synth: ModuleType) -> None:
+    # llama.cpp loading Qwen3-30B-A3B Q4_K_M (unsloth): "type f32: 241, q4_K: 289, q6_K: 49", "17.28 GiB"
+    counts, gib = _counts_and_gib(synth, "qwen3-30b-a3b", "Q4_K_M")
+    assert counts == {"F32": 241, "Q4_K": 289, "Q6_K": 49}
+    assert gib == 17.28
+
+
+@pytest.mark.parametrize(("preset", "n_layers", "counts", "gib"), [
+    # llama.cpp loading the published gpt-oss-20b / -120b MXFP4 GGUFs (file type "MXFP4 MoE")
+    ("gpt-oss-20b", None, {"F32": 289, "Q8_0": 98, "MXFP4": 72}, 11.27),
+    ("gpt-oss-120b", None, {"F32": 433, "Q8_0": 146, "MXFP4": 108}, 59.02),
+    ("gpt-oss-120b", 12, {"F32": 145, "Q8_0": 50, "MXFP4": 36}, 20.44),  # the load benchmark's cut
+])  # fmt: skip
+def test_gpt_oss_mxfp4_plan_counts_the_tensors_and_bytes_llama_cpp_reports(
+    synth: ModuleType, preset: str, n_layers: int | None, counts: dict[str, int], gib: float
+) -> None:
+    p = synth.PRESETS[preset]
+    assert _counts_and_gib(synth, replace(p, n_layers=n_layers or p.n_layers), "MXFP4") == (counts, gib)
+
+
+def test_q4_k_m_stores_the_experts_down_matrices_like_ffn_down(synth: ModuleType) -> None:
+    # llama-quant.cpp reads the layer of an expert tensor from its name; 48 layers: i < 6, i >= 42, (i-6) % 3 == 2
+    more_bits = set(range(6)) | set(range(8, 42, 3)) | set(range(42, 48))
+    plan = {t.name: t.type_name for t in synth.tensor_plan(synth.PRESETS["qwen3-30b-a3b"], "Q4_K_M")}
+    for kind in ("ffn_down_exps", "attn_v"):
+        assert {i for i in range(48) if plan[f"blk.{i}.{kind}.weight"] == "Q6_K"} == more_bits, kind
+    assert {plan[f"blk.{i}.ffn_{n}_exps.weight"] for i in range(48) for n in ("gate", "up")} == {"Q4_K"}
+    assert {plan[f"blk.{i}.ffn_gate_inp.weight"] for i in range(48)} == {"F32"}
+    assert (plan["token_embd.weight"], plan["output.weight"]) == ("Q4_K", "Q6_K")
+
+
+def test_mxfp4_on_experts_is_llama_quantizes_mxfp4_moe(synth: ModuleType) -> None:
+    plan = synth.tensor_plan(synth.PRESETS["gpt-oss-20b"], "MXFP4")
+    assert {t.type_name for t in plan if t.name.endswith("_exps.weight")} == {"MXFP4"}
+    assert {t.type_name for t in plan if len(t.shape) == 2 and t.around is None} == {"Q8_0"}
+    assert {t.type_name for t in plan if t.around is not None} == {"F32"}  # norms, biases, sinks, routers
+    assert synth._file_type("MXFP4", True) == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "IQ4_NL", "F16"])
+def test_a_single_type_goes_to_every_qwen3moe_matrix_but_the_router(synth: ModuleType, type_name: str) -> None:
+    plan = synth.tensor_plan(synth.PRESETS["qwen3-30b-a3b"], type_name)
+    assert {t.type_name for t in plan if t.around is None} == {type_name}
+    assert {t.type_name for t in plan if "ffn_gate_inp" in t.name} == {"F32"}
+
+
+# The dims of tests/data/moe's tiny models (its README), each made by llama.cpp's convert_hf_to_gguf.py and
+# llama-quantize Q8_0; the other fields (rope, eps, YaRN) are the real presets'.
+_REFERENCE_DIMS = {
+    "qwen3moe": ("qwen3-30b-a3b", dict(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim_override=32, ffn=64,
+                                       context=4096, experts=8, experts_used=2, expert_ff=32)),
+    "gpt-oss": ("gpt-oss-20b", dict(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim_override=32, ffn=32,
+                                    experts=4, experts_used=2, expert_ff=32, sliding_window=8)),
+}  # fmt: skip
+
+
+def _reference_preset(synth: ModuleType, arch: str, vocab: int):
+    preset, dims = _REFERENCE_DIMS[arch]
+    return replace(synth.PRESETS[preset], vocab=vocab, **dims)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_moe_plan_has_the_tensors_of_llama_cpps_converted_file(synth: ModuleType, arch: str) -> None:
+    ref = gguf.GGUFReader(MOE_DATA / f"{arch}-q8_0.gguf")
+    want = {t.name: (tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name) for t in ref.tensors}
+    plan = synth.tensor_plan(_reference_preset(synth, arch, 320), "Q8_0")
+    assert {t.name: (t.shape, t.type_name) for t in plan} == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_moe_file_has_the_arch_keys_of_llama_cpps_converted_file(
+    synth: ModuleType, arch: str, tmp_path: Path
+) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    synth.write_synth_gguf(path, _reference_preset(synth, arch, SMOLLM2_VOCAB + 64), "Q8_0")
+    ours, ref = gguf.GGUFReader(path).fields, gguf.GGUFReader(MOE_DATA / f"{arch}-q8_0.gguf").fields
+    keys = [k for k in ref if k.startswith(f"{arch}.") or k == "general.file_type"]
+    assert len(keys) >= 13
+    for k in keys:
+        assert k in ours, k
+        assert ours[k].types == ref[k].types, k
+        assert ours[k].contents() == pytest.approx(ref[k].contents()), k
+
+
+# Tiny files of the real presets' architectures, through write_synth_gguf's layer cut (48 -> 2, 24 -> 2)
+_TINY_MOE = {
+    "qwen3moe": ("qwen3-30b-a3b", "Q4_K_M", dict(hidden=256, n_heads=4, n_kv_heads=2, head_dim_override=64, ffn=512,
+                                                 experts=8, experts_used=2, expert_ff=256)),
+    "gpt-oss": ("gpt-oss-20b", "MXFP4", dict(hidden=64, n_heads=4, n_kv_heads=2, head_dim_override=32, ffn=64,
+                                             experts=4, experts_used=2, expert_ff=64, sliding_window=8)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(_TINY_MOE))
+def moe_core(request, synth: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
+    preset, type_name, dims = _TINY_MOE[request.param]
+    path = tmp_path_factory.mktemp("synth_moe") / f"{request.param}.gguf"
+    p = replace(synth.PRESETS[preset], vocab=SMOLLM2_VOCAB + 64, **dims)
+    synth.write_synth_gguf(path, p, type_name, n_layers=2)
+    config = EngineConfig.from_dict({"model": {"path": str(path)}, "cache": {"context_size": 64}, "device": "cpu"})
+    return EngineCore(config, show_progress=False)
+
+
+def test_engine_reads_the_moe_files_shape(moe_core: EngineCore) -> None:
+    a = moe_core.arch
+    assert a.n_layers == 2 and a.moe is not None and a.vocab_size == SMOLLM2_VOCAB + 64
+    if a.architecture == "gpt-oss":
+        assert (a.moe.experts, a.moe.used, a.moe.expert_ff, a.moe.biases) == (4, 2, 64, True)
+        assert (a.sliding_window, a.attn_sinks, a.o_bias, a.qkv_bias) == (8, True, True, True)
+        rope = a.rope_scaling
+        assert (rope.kind, rope.factor, rope.original_context_length) == ("yarn", 32.0, 4096)
+    else:
+        assert a.architecture == "qwen3moe"
+        assert (a.moe.experts, a.moe.used, a.moe.expert_ff, a.qk_norm, a.head_dim) == (8, 2, 256, True, 64)
+
+
+def test_engine_computes_finite_logits_from_the_moe_file(moe_core: EngineCore) -> None:
+    ids = [1, 200, 3000, 40000, 49200]
+    logits = moe_core.forward_logits(ids).float()
+    assert logits.shape == (len(ids), SMOLLM2_VOCAB + 64)
+    assert torch.isfinite(logits).all()
+    assert math.isfinite(float(logits.std())) and float(logits.std()) > 0
