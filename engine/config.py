@@ -23,10 +23,8 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# Settings of features that are not implemented yet: refused by name, not accepted and ignored (older config
-# files wrote them; the `speculative` section is what --spec-type, -md and --draft-max would set).
+# Settings of features that are not implemented yet: refused by name, not accepted and ignored.
 NOT_YET: dict[str, str] = {
-    "speculative": "speculative decoding is not implemented yet",
     "parallel.custom_allreduce": "the custom AllReduce is not implemented yet (NCCL/RCCL's is used)",
 }
 
@@ -93,6 +91,49 @@ class KernelConfig:
     tuning_file: str | None = None
 
 
+SpecType = Literal["none", "ngram", "draft", "draft-mtp"]
+
+# Draft tokens per step when --draft-max is not given. draft: llama-server's long-standing 16; ngram: 8,
+# enough for a copied passage, short enough that a miss costs a narrow verify step; draft-mtp: 2, as the
+# fork measures its MTP heads.
+DEFAULT_DRAFT_MAX: dict[str, int] = {"ngram": 8, "draft": 16, "draft-mtp": 2}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py): a proposer guesses the next tokens, one target step
+    checks them all."""
+
+    type: SpecType = "none"
+    draft_model: str | None = None  # -md: the draft GGUF (type draft)
+    draft_max: int | None = None  # --draft-max: draft tokens per step; None: DEFAULT_DRAFT_MAX of the type
+    draft_min: int = 0  # --draft-min: a shorter draft is not verified at all
+    draft_p_min: float = 0.75  # --draft-p-min: a draft model stops where its top token is less likely than this
+    ngram_size: int = 3  # --spec-ngram-size-n: the longest suffix ngram looks up; shorter ones down to 2 are tried
+
+    def __post_init__(self) -> None:
+        _require(self.type in ("none", "ngram", "draft", "draft-mtp"),
+                 f"--spec-type must be none, ngram, draft or draft-mtp, got {self.type!r}")
+        _require(self.draft_max is None or self.draft_max >= 1, f"--draft-max must be at least 1, got {self.draft_max}")
+        _require(self.draft_min >= 0, f"--draft-min must be >= 0, got {self.draft_min}")
+        _require(0.0 <= self.draft_p_min <= 1.0, f"--draft-p-min must be in [0, 1], got {self.draft_p_min}")
+        _require(self.ngram_size >= 2, f"--spec-ngram-size-n must be at least 2, got {self.ngram_size}")
+        _require(self.type == "draft" or self.draft_model is None,
+                 f"-md (a draft model) needs --spec-type draft, not {self.type}")
+        _require(self.type != "draft" or bool(self.draft_model), "--spec-type draft needs a draft model: -md FILE")
+        _require(self.draft_min <= self.max_draft or self.type == "none",
+                 f"--draft-min {self.draft_min} exceeds --draft-max {self.max_draft}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+    @property
+    def max_draft(self) -> int:
+        """Draft tokens per step, the type's default filled in."""
+        return self.draft_max if self.draft_max is not None else DEFAULT_DRAFT_MAX.get(self.type, 0)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -115,6 +156,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"  # auto: cuda/hip if present, else cpu
     seed: int | None = None
@@ -148,6 +190,7 @@ _SECTION_TYPES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "kernels": KernelConfig,
+    "speculative": SpeculativeConfig,
     "server": ServerConfig,
 }
 

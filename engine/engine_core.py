@@ -30,6 +30,7 @@ from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Status
+from vegaserve.engine.speculative import make_speculator
 from vegaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.spec = make_speculator(config, self.arch, self.gguf, self.device, num_blocks, self.max_model_len, show_progress)
         async_decode = config.scheduler.async_decode
         if async_decode is None:
             async_decode = self.device.type != "cpu"
-        self.async_decode = async_decode and self.executor.takes_device_ids
+        # a verify step's kept guesses must be on the host before the next step is scheduled
+        self.async_decode = async_decode and self.executor.takes_device_ids and self.spec is None
         self.in_flight: tuple[ScheduledBatch, StepInFlight] | None = None  # the step launched ahead
         self.model_name = config.model.served_model_name or self.gguf.path.name.removesuffix(".gguf")
         log.info(
@@ -98,10 +101,10 @@ class EngineCore:
         self.scheduler.add(r)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        r = self.requests.pop(request_id, None)
+        r = self.requests.get(request_id)
         if r is None:
             return None
-        self.scheduler.finish(r)
+        self._finished(r)
         return self.outputs.aborted(r)
 
     @property
@@ -114,6 +117,8 @@ class EngineCore:
             batch = self.scheduler.schedule()
             if batch.empty:
                 return []
+            if self.spec is not None:
+                batch = self.spec.extend(batch, self.scheduler.token_budget)
             launched = self.runner.launch(batch)
         else:
             (batch, launched), self.in_flight = self.in_flight, None
@@ -136,19 +141,31 @@ class EngineCore:
             r = s.request
             if r.status is Status.FINISHED:  # ended (or aborted) while this step ran ahead of it
                 continue
-            r.num_computed += len(s.tokens)
+            if s.drafts:
+                # the last token and the guesses kept are computed; the rest of the guesses' slots go back
+                kept = len(res.token_ids) - 1
+                self.spec.record(len(s.drafts), kept)
+                r.num_computed += 1 + kept
+            else:
+                r.num_computed += len(s.tokens)
             self.scheduler.computed(r)
             if res.prompt_logprobs is not None:
                 r.state.prompt_logprobs.extend(res.prompt_logprobs)
-            if res.token_id is None:
+            if not res.token_ids:
                 continue
-            r.output_ids.append(res.token_id)
-            out = self.outputs.on_token(r, res.token_id, res.logprob)
+            out = self.outputs.on_tokens(r, res.token_ids, res.logprobs)
             if out.finished:
-                self.scheduler.finish(r)
-                self.requests.pop(r.request_id, None)
+                self._finished(r)
+            elif s.drafts:
+                r.table.truncate(r.num_tokens)
             outs.append(out)
         return outs
+
+    def _finished(self, r: Request) -> None:
+        self.scheduler.finish(r)
+        self.requests.pop(r.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(r.request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -158,10 +175,20 @@ class EngineCore:
             prefix_cache_queries=self.pool.queries,
             prefix_cache_hits=self.pool.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=tuple(st.accepted_per_pos))
 
     def close(self) -> None:
         """Stop the other ranks (if any). The engine serves nothing after this."""
+        if self.spec is not None:
+            self.spec.close()
         self.executor.close()
 
     def forward_logits(self, token_ids: list[int], all_rows: bool = True) -> torch.Tensor:

@@ -216,6 +216,19 @@ class BlockTable:
         self.num_slots += n_tokens
         return new
 
+    def truncate(self, n_tokens: int) -> None:
+        """Keep slots for positions 0 .. n_tokens - 1 only; the blocks wholly past them go back to the pool
+        (speculative decoding's rejected guesses). Those blocks were never cached: a block is cached once
+        every position in it is computed, and a rejected guess's position is not."""
+        if n_tokens >= self.num_slots:
+            return
+        keep = -(-n_tokens // self.pool.block_size)
+        tail = self.block_ids[keep:]
+        del self.block_ids[keep:]
+        del self.block_hashes[keep:]
+        self.num_slots = n_tokens
+        self.pool.free(reversed(tail))
+
     def blocks_of(self, n_tokens: int) -> list[int]:
         """The blocks holding positions 0 .. n_tokens - 1."""
         if n_tokens > self.num_slots:

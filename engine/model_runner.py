@@ -7,7 +7,7 @@ ScheduledBatch -> StepPlan -> executor (every rank: ForwardBatch, its layers) ->
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,13 +15,14 @@ from vegaserve.engine.executor import Executor
 from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.request import TokenLogprob
 from vegaserve.engine.sampling import Sampler
+from vegaserve.engine.speculative import Verified, verify
 from vegaserve.engine.scheduler import ScheduledBatch
 
 
 @dataclass
 class SeqResult:
-    token_id: int | None  # None: mid-prompt chunk, nothing sampled
-    logprob: TokenLogprob | None = None
+    token_ids: list[int] = field(default_factory=list)  # empty: mid-prompt chunk; more than one: guesses kept
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per token, None where not asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # for the prompt positions this chunk scored
 
 
@@ -78,9 +79,11 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> StepInFlight:
         """Start the batch's forward pass; `input_ids` [seqs] on the device replace the batch's placeholder
         tokens (async decode: the tokens the step before drew, not yet read by the host)."""
-        # a request that wants prompt logprobs needs logits for every prompt row it computes
+        # a request that wants prompt logprobs needs logits for every prompt row it computes, a drafted one for
+        # its last token and every guess
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
-        plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], wants_prompt, self.block_size)
+        every = [w or bool(s.drafts) for s, w in zip(batch.seqs, wants_prompt, strict=True)]
+        plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size)
         return StepInFlight(self, batch, wants_prompt, self.executor.forward(plan, input_ids))
 
 
@@ -94,15 +97,25 @@ class StepInFlight:
     def __init__(self, runner: ModelRunner, batch: ScheduledBatch, wants_prompt: list[bool], logits: torch.Tensor) -> None:
         self.runner, self.batch, self.wants_prompt, self.logits = runner, batch, wants_prompt, logits
         self.tokens: torch.Tensor | None = None
-        self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples]
+        # sampling sequences: plain ones draw a token from their last row, drafted ones verify their guesses
+        self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples and not s.drafts]
+        self.drafted = [i for i, s in enumerate(batch.seqs) if s.drafts]
+        self.verified: list[Verified] | None = None
         self._rows: torch.Tensor | None = None  # the sampling rows' logits, kept by draw() for result()
         self._host: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the tokens on their way to the host
-        # each sequence's logits rows end here: all its rows where it wants prompt logprobs, else its last
-        self.row_ends = list(itertools.accumulate(len(s.tokens) if every else 1
+        # each sequence's logits rows end here: all its rows where it wants prompt logprobs or has guesses,
+        # else its last
+        self.row_ends = list(itertools.accumulate(len(s.tokens) if every or s.drafts else 1
                                                   for s, every in zip(batch.seqs, wants_prompt, strict=True)))
 
     @torch.inference_mode()
     def draw(self) -> None:
+        if self.drafted and self.verified is None:
+            seqs = [self.batch.seqs[i] for i in self.drafted]
+            reqs = [s.request for s in seqs]
+            self.verified = verify(self.logits, [self.row_ends[i] - len(self.batch.seqs[i].tokens) for i in self.drafted],
+                                   [list(s.drafts) for s in seqs], [r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                   [r.output_ids for r in reqs], [r.generator for r in reqs])
         if self.tokens is not None or not self.sampling:
             return
         reqs = [self.batch.seqs[i].request for i in self.sampling]
@@ -123,7 +136,7 @@ class StepInFlight:
         self.draw()
         results: list[SeqResult] = []
         for s, every, end in zip(self.batch.seqs, self.wants_prompt, self.row_ends, strict=True):
-            res = SeqResult(token_id=None)
+            res = SeqResult()
             if every:
                 res.prompt_logprobs = self._prompt_logprobs(s, self.logits[end - len(s.tokens) : end])
             results.append(res)
@@ -136,8 +149,11 @@ class StepInFlight:
             out = self.runner.sampler.collect(self._rows, self.tokens,
                                               [self.batch.seqs[i].request.params for i in self.sampling], token_ids)
             for i, tok, lp in zip(self.sampling, out.token_ids, out.logprobs, strict=True):
-                results[i].token_id = tok
-                results[i].logprob = lp
+                results[i].token_ids = [tok]
+                results[i].logprobs = [lp]
+        for i, v in zip(self.drafted, self.verified or (), strict=True):
+            results[i].token_ids = v.token_ids
+            results[i].logprobs = v.logprobs
         return StepOutput(results)
 
     def _prompt_logprobs(self, s, logits: torch.Tensor) -> list[TokenLogprob | None]:

@@ -29,6 +29,27 @@ class OutputProcessor:
             StopMatcher(tuple(req.params.stop), req.params.include_stop_str_in_output),
         )
 
+    def on_tokens(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """Append a step's tokens to req.output_ids one by one (a verify step gives several) until one ends the
+        request; the rest are dropped. One output for them all."""
+        outs = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            req.output_ids.append(token)
+            outs.append(self.on_token(req, token, logprob))
+            if outs[-1].finished:
+                break
+        if len(outs) == 1:
+            return outs[0]
+        last = outs[-1]
+        last.text = "".join(o.text for o in outs)
+        last.token_ids = [t for o in outs for t in o.token_ids]
+        if last.logprobs is not None:
+            last.logprobs = [e for o in outs for e in o.logprobs or ()]
+        first_prompt = outs[0].prompt_logprobs
+        if first_prompt is not None:
+            last.prompt_logprobs = first_prompt
+        return last
+
     def on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Account for one sampled token (already appended to req.output_ids)."""
         st: OutputState = req.state

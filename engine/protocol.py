@@ -22,6 +22,11 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # speculative decoding (engine/speculative.py), vLLM's spec_decode counters
+    spec_num_drafts: int = 0  # verify steps of a drafted sequence (all four stay 0 while speculation is off)
+    spec_num_draft_tokens: int = 0  # guesses verified
+    spec_num_accepted_tokens: int = 0  # guesses kept
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: times guess j was kept
 
 
 class TokenizerLike(Protocol):

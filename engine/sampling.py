@@ -108,7 +108,7 @@ class Sampler:
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:
             rows = _index(asked, logits.device)
-            records = _logprob_records(logits[rows], tokens[rows], [params[i].logprobs or 0 for i in asked])
+            records = logprob_records(logits[rows], tokens[rows], [params[i].logprobs or 0 for i in asked])
             for i, record in zip(asked, records):
                 logprobs[i] = record
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
@@ -130,7 +130,7 @@ class Sampler:
         result: list[TokenLogprob | None] = [None]
         for start in range(0, scored, _PROMPT_CHUNK):
             stop = min(start + _PROMPT_CHUNK, scored)
-            result.extend(_logprob_records(logits[start:stop], targets[start:stop], [n] * (stop - start)))
+            result.extend(logprob_records(logits[start:stop], targets[start:stop], [n] * (stop - start)))
         return result
 
 
@@ -227,7 +227,7 @@ def _sample_rows(logits: Tensor, params: list[SamplingParams], generators: list[
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     scaled = logits / temperature[:, None]
-    uniforms = _uniforms(generators, device)
+    uniforms = draw_uniforms(generators, device)
 
     filtered = [i for i, p in enumerate(params) if _has_filter(p, vocab)]
     plain = [i for i, p in enumerate(params) if not _has_filter(p, vocab)]
@@ -242,7 +242,32 @@ def _sample_rows(logits: Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> Tensor:
+def probabilities(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """The distribution [n, V] the sampler draws a non-greedy row from: / temperature, then top-k, top-p and
+    min-p, exactly as _sample_rows cuts them (over a full sort, where the sampler may stop at the best
+    candidates: the kept set is the same). Speculative verification weighs guesses with it."""
+    n, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    scaled = logits / temperature[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    filtered = [i for i, p in enumerate(params) if _has_filter(p, vocab)]
+    if filtered:
+        rows = _index(filtered, device)
+        sub = scaled[rows]
+        fparams = [params[i] for i in filtered]
+        top_k = torch.tensor([_effective_top_k(p, vocab) for p in fparams], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in fparams], dtype=sub.dtype, device=device)
+        min_p = torch.tensor([p.min_p for p in fparams], dtype=sub.dtype, device=device)
+        full_totals = torch.exp(sub - sub.max(dim=-1, keepdim=True).values).cumsum(dim=-1)[:, -1]
+        values, ids = sub.sort(dim=-1, descending=True)
+        keep = _keep_mask(values, top_k, top_p, min_p, top_k < vocab, full_totals)
+        weights = torch.exp(values - values[:, :1]).masked_fill(~keep, 0.0)
+        probs[rows] = torch.zeros_like(sub).scatter_(1, ids, weights / weights.sum(dim=-1, keepdim=True))
+    return probs
+
+
+def draw_uniforms(generators: list[torch.Generator | None], device: torch.device) -> Tensor:
     """One U[0, 1) per row: seeded rows from their own generator, the rest in one call."""
     values = torch.empty(len(generators), dtype=torch.float32, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
@@ -331,7 +356,7 @@ def _draw(values: Tensor, keep: Tensor | None, uniforms: Tensor) -> Tensor:
     return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
-def _logprob_records(logits: Tensor, chosen: Tensor, top_n: list[int]) -> list[TokenLogprob]:
+def logprob_records(logits: Tensor, chosen: Tensor, top_n: list[int]) -> list[TokenLogprob]:
     """Per row: log_softmax(logits)[chosen] and the row's top-n (id, logprob), best first."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen_lp: list[float] = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()

@@ -81,6 +81,7 @@ class ScheduledSeq:
     tokens: list[int]  # the tokens computed this step (schedule_next: a placeholder, the ids are on the device)
     block_ids: list[int]  # KV blocks of positions 0 .. start + len(tokens) - 1, in order
     samples: bool  # the step reaches the end of the request's known tokens: a new token is sampled
+    drafts: tuple[int, ...] = ()  # guesses after the request's last token (engine/speculative.py), in `tokens`
 
 
 @dataclass(frozen=True)

@@ -105,12 +105,10 @@ def test_from_dict_refuses_unknown_keys_naming_section_and_keys() -> None:
 @pytest.mark.parametrize(
     ("tree", "says"),
     [
-        ({"speculative": {"spec_type": "ngram"}}, "config section 'speculative': speculative decoding is not implemented"),
-        ({"speculative": {}}, "config section 'speculative': speculative decoding is not implemented yet"),
         ({"parallel": {"custom_allreduce": True}},
          "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
     ],
-    ids=["speculative", "empty-speculative", "custom-allreduce"],
+    ids=["custom-allreduce"],
 )  # fmt: skip
 def test_from_dict_refuses_settings_of_features_not_implemented_yet(tree: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -262,3 +260,12 @@ def test_a_not_yet_switch_is_reported_whatever_its_value_and_never_refused(value
 
 def test_no_not_yet_switch_set_gives_no_warning() -> None:
     assert ignored_switches({"GGML_META_TOKEN_GRAPH": "0", "HSA_ENABLE_SDMA": "0"}) == []
+
+
+def test_the_speculative_section_configures_speculation() -> None:
+    cfg = EngineConfig.from_dict({"speculative": {"type": "draft", "draft_model": "d.gguf", "draft_max": 4,
+                                                  "draft_p_min": 0.5}})
+    assert (cfg.speculative.type, cfg.speculative.max_draft, cfg.speculative.draft_p_min) == ("draft", 4, 0.5)
+    assert not EngineConfig.from_dict({}).speculative.enabled
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) in 'speculative': spec_type"):
+        EngineConfig.from_dict({"speculative": {"spec_type": "ngram"}})
