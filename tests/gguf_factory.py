@@ -55,6 +55,9 @@ class TinySpec:
     rope_scaling: dict[str, float | str] = field(default_factory=dict)  # e.g. {"type": "linear", "factor": 2.0}
     seed: int = 0
     chat_template: str | None = None  # None: SmolLM2's
+    # per-tensor types over weight_type / embed_type, as the mixed files (`Q2_K_XL`, `UD-Q4_K_XL`) have them:
+    # a full name ("blk.1.ffn_down.weight") or a role for every layer ("ffn_down"), the full name first
+    tensor_types: dict[str, str] = field(default_factory=dict)
 
 
 def _type_id(name: str) -> int:
@@ -80,6 +83,8 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
     synth_gguf.add_smollm2_tokenizer(w, md, chat_template=spec.chat_template)
 
     def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
+        role = name.split(".")[-2]
+        type_name = spec.tensor_types.get(name, spec.tensor_types.get(role, type_name))
         tid = _type_id(type_name)
         qs = GGML_TYPES[tid]
         if type_name == "F32":

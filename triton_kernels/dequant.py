@@ -15,7 +15,7 @@ from enum import IntEnum
 
 import torch
 
-from vegaserve.triton_kernels.quants import floats, iq4_nl, kquants, legacy, mxfp4
+from vegaserve.triton_kernels.quants import floats, iq1, iq2, iq3, iq4_nl, kquants, legacy, mxfp4
 
 
 class GGMLType(IntEnum):
@@ -29,10 +29,20 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
     IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
     MXFP4 = 39
 
@@ -55,10 +65,20 @@ _SERVED: tuple[tuple[QuantSpec, Callable[[torch.Tensor], torch.Tensor]], ...] = 
     (QuantSpec("Q5_0", GGMLType.Q5_0, 32, 22), legacy.dequantize_q5_0),
     (QuantSpec("Q5_1", GGMLType.Q5_1, 32, 24), legacy.dequantize_q5_1),
     (QuantSpec("Q8_0", GGMLType.Q8_0, 32, 34), legacy.dequantize_q8_0),
+    (QuantSpec("Q2_K", GGMLType.Q2_K, 256, 84), kquants.dequantize_q2_k),
+    (QuantSpec("Q3_K", GGMLType.Q3_K, 256, 110), kquants.dequantize_q3_k),
     (QuantSpec("Q4_K", GGMLType.Q4_K, 256, 144), kquants.dequantize_q4_k),
     (QuantSpec("Q5_K", GGMLType.Q5_K, 256, 176), kquants.dequantize_q5_k),
     (QuantSpec("Q6_K", GGMLType.Q6_K, 256, 210), kquants.dequantize_q6_k),
+    (QuantSpec("IQ2_XXS", GGMLType.IQ2_XXS, 256, 66), iq2.dequantize_iq2_xxs),
+    (QuantSpec("IQ2_XS", GGMLType.IQ2_XS, 256, 74), iq2.dequantize_iq2_xs),
+    (QuantSpec("IQ3_XXS", GGMLType.IQ3_XXS, 256, 98), iq3.dequantize_iq3_xxs),
+    (QuantSpec("IQ1_S", GGMLType.IQ1_S, 256, 50), iq1.dequantize_iq1_s),
     (QuantSpec("IQ4_NL", GGMLType.IQ4_NL, 32, 18), iq4_nl.dequantize_iq4_nl),
+    (QuantSpec("IQ3_S", GGMLType.IQ3_S, 256, 110), iq3.dequantize_iq3_s),
+    (QuantSpec("IQ2_S", GGMLType.IQ2_S, 256, 82), iq2.dequantize_iq2_s),
+    (QuantSpec("IQ4_XS", GGMLType.IQ4_XS, 256, 136), iq4_nl.dequantize_iq4_xs),
+    (QuantSpec("IQ1_M", GGMLType.IQ1_M, 256, 56), iq1.dequantize_iq1_m),
     (QuantSpec("BF16", GGMLType.BF16, 1, 2), floats.dequantize_bf16),
     (QuantSpec("MXFP4", GGMLType.MXFP4, 32, 17), mxfp4.dequantize_mxfp4),
 )
@@ -68,9 +88,8 @@ _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {spec.type_id
 
 # Types a GGUF file may hold that we do not serve; named only so that the error says which one it was.
 _UNSERVED_NAMES: dict[int, str] = {
-    9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4", 41: "Q1_0",
+    9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 34: "TQ1_0", 35: "TQ2_0",
+    40: "NVFP4", 41: "Q1_0",
 }
 
 

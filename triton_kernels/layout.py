@@ -41,6 +41,18 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q4_K": (("dm", 0, 4), ("scales", 4, 12), ("qs", 16, 128)),
     "Q5_K": (("dm", 0, 4), ("scales", 4, 12), ("qh", 16, 32), ("qs", 48, 128)),
     "Q6_K": (("ql", 0, 128), ("qh", 128, 64), ("scales", 192, 16), ("d", 208, 2)),
+    "Q2_K": (("scales", 0, 16), ("qs", 16, 64), ("dm", 80, 4)),
+    "Q3_K": (("hmask", 0, 32), ("qs", 32, 64), ("scales", 96, 12), ("d", 108, 2)),
+    "IQ4_XS": (("d", 0, 2), ("scales", 2, 6), ("qs", 8, 128)),
+    # the lattice types: IQ2_S's qs holds the grid bytes and then the signs (as ggml's block does), IQ3_S's
+    # signs run on into its scales (four fields at most)
+    "IQ2_XXS": (("d", 0, 2), ("qs", 2, 64)),
+    "IQ2_XS": (("d", 0, 2), ("qs", 2, 64), ("scales", 66, 8)),
+    "IQ2_S": (("d", 0, 2), ("qs", 2, 64), ("qh", 66, 8), ("scales", 74, 8)),
+    "IQ3_XXS": (("d", 0, 2), ("qs", 2, 64), ("scales_signs", 66, 32)),
+    "IQ3_S": (("d", 0, 2), ("qs", 2, 64), ("qh", 66, 8), ("signs_scales", 74, 36)),
+    "IQ1_S": (("d", 0, 2), ("qs", 2, 32), ("qh", 34, 16)),
+    "IQ1_M": (("qs", 0, 32), ("qh", 32, 16), ("scales", 48, 8)),
     "F16": (("w", 0, 2),),
     "BF16": (("w", 0, 2),),
     "F32": (("w", 0, 4),),
@@ -49,8 +61,9 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
 
 # fields that share one plane, a record of their bytes per block: the K-quants' d, dmin and 12 scale bytes
 # are one 16-byte head record, which a kernel loads as four words with the lanes of a warp along the row
-# (matvec_int8's Q4_K pieces kernel); every other field has a plane of its own
-HEAD = {"Q4_K": ("dm", "scales"), "Q5_K": ("dm", "scales")}
+# (matvec_int8's Q4_K pieces kernel); IQ4_XS's d and 6 scale bytes one 8-byte record; every other field has
+# a plane of its own
+HEAD = {"Q4_K": ("dm", "scales"), "Q5_K": ("dm", "scales"), "IQ4_XS": ("d", "scales")}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,19 @@ from vegaserve.triton_kernels.tiles_legacy import (
     q5_1_tile,
     q8_0_tile,
 )
+from vegaserve.triton_kernels.tiles_iq import (
+    iq1_m_tile,
+    iq1_s_tile,
+    iq2_s_tile,
+    iq2_xs_tile,
+    iq2_xxs_tile,
+    iq3_s_tile,
+    iq3_xxs_tile,
+    iq4_xs_tile,
+    table_for,
+)
 from vegaserve.triton_kernels.tiles_kquants import q4_k_tile, q5_k_tile, q6_k_tile
+from vegaserve.triton_kernels.tiles_kquants_low import q2_k_tile, q3_k_tile
 from vegaserve.triton_kernels.tiles_mxfp4 import mxfp4_tile
 
 SUPPORTED = frozenset(GGML_TYPES)  # every served type has a tile dequantizer (dequant_tile's ids)
@@ -37,7 +49,8 @@ SUPPORTED = frozenset(GGML_TYPES)  # every served type has a tile dequantizer (d
 
 @triton.jit
 def dequant_tile(WTYPE: tl.constexpr, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk,
-                 BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                 BLOCK_N: tl.constexpr, NB: tl.constexpr, tab=None):
+    # tab: the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for), None for the others
     if WTYPE == 8:
         w = q8_0_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 2:
@@ -56,6 +69,26 @@ def dequant_tile(WTYPE: tl.constexpr, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, 
         w = q5_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 14:
         w = q6_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 10:
+        w = q2_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 11:
+        w = q3_k_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 23:
+        w = iq4_xs_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 18:
+        w = iq3_xxs_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 21:
+        w = iq3_s_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 16:
+        w = iq2_xxs_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 17:
+        w = iq2_xs_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 22:
+        w = iq2_s_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 19:
+        w = iq1_s_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
+    elif WTYPE == 29:
+        w = iq1_m_tile(base, tab, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 39:
         w = mxfp4_tile(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows, rmask, blk, BLOCK_N, NB)
     elif WTYPE == 1:
@@ -76,6 +109,7 @@ def _matvec_kernel(
     ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     WTYPE: tl.constexpr, QK: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,  # meta
     BLOCK_N: tl.constexpr, NB: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+    tab_ptr=None,  # the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for)
 ):
     # The launcher makes NB divide both the block count and blocks_per_split, so every tile is whole.
     pid_n = tl.program_id(0)
@@ -96,7 +130,8 @@ def _matvec_kernel(
         acc1 = tl.zeros([BLOCK_N, NB * QK], dtype=tl.float32)
         for i in range(0, n_iter):
             blk = first + i * NB + tl.arange(0, NB)
-            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB,
+                     tab_ptr)
             x = tl.load(x_ptr + (first + i * NB) * QK + tl.arange(0, NB * QK)).to(tl.float32)
             acc1 += w * x[None, :]
         acc = tl.where(mcol[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
@@ -104,7 +139,8 @@ def _matvec_kernel(
         acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
         for i in range(0, n_iter):
             blk = first + i * NB + tl.arange(0, NB)
-            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB,
+                     tab_ptr)
             kk = (first + i * NB) * QK + tl.arange(0, NB * QK)
             for m in tl.static_range(M):
                 x = tl.load(x_ptr + m * stride_xm + kk).to(tl.float32)
@@ -121,6 +157,7 @@ def _dequant_kernel(
     N, K,  # sizes
     counts_ptr, expert_bytes,  # EXPERTS: assignments per expert (none: the expert is not read), its stride
     WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, EXPERTS: tl.constexpr = 0,
+    tab_ptr=None,  # the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_rows = N
@@ -132,7 +169,8 @@ def _dequant_kernel(
     rmask = rows < live_rows
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
-    w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB)
+    w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB,
+                     tab_ptr)
     k = tl.program_id(1) * NB * QK + tl.arange(0, NB * QK)
     tl.store(out_ptr + rows64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -155,7 +193,8 @@ def dequantize_dense(w: PackedWeight, out: torch.Tensor | None = None, dtype: to
     if stacked and counts is None:
         counts = torch.ones(w.experts, dtype=torch.int64, device=w.data.device)
     _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, counts if stacked else out, w.expert_bytes,
-                          WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb, EXPERTS=int(stacked), num_warps=num_warps)
+                          WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb, EXPERTS=int(stacked),
+                          tab_ptr=table_for(w.type_id, w.data.device), num_warps=num_warps)
     return out
 
 
@@ -205,7 +244,7 @@ def tile_matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2
     _matvec_kernel[grid](
         x, part, w.data, *w.field_args(), w.n, K, per_split, x.stride(0), rows * w.n, *expert_args,
         **tile_constexprs(w.type_id, 1 if experts is not None else M, block_n, nb), **expert_consts,
-        num_warps=num_warps, num_stages=num_stages,
+        tab_ptr=table_for(w.type_id, w.data.device), num_warps=num_warps, num_stages=num_stages,
     )
     return part[0] if split_k == 1 else part.sum(0)
 

@@ -2,8 +2,10 @@
 
 GGUF rows are independent, so slicing output rows (column-parallel linears, the vocab-parallel embedding
 and LM head) cuts nothing. Slicing input columns (row-parallel linears) takes whole blocks of every row:
-the caller checked (topology.check_model_splits) that the slice is a whole number of blocks, and this
-refuses anything else. The layer then repacks its own slice on its own device.
+`block_split` deals a matrix's blocks over the lanes, as evenly as they go (a lane may hold one block more
+than its neighbour), and the column-parallel matrix that feeds it takes the same range of rows; the caller
+checked (topology.check_model_splits) that every lane gets a block, and this refuses any cut block. The
+layer then repacks its own slice on its own device.
 """
 
 from __future__ import annotations
@@ -18,6 +20,27 @@ from vegaserve.triton_kernels.dequant import spec_for
 def _with_shape(src: WeightSource, raw, shape: tuple[int, ...]) -> WeightSource:
     info = dataclasses.replace(src.info, shape=shape, n_bytes=raw.numel())
     return WeightSource(info, raw, src.path)
+
+
+def block_split(cols: int, block: int, tp: int, lane: int) -> tuple[int, int]:
+    """(first column, columns) of lane's slice of `cols` input columns in whole `block`-element blocks: the
+    blocks dealt evenly, the first lanes one more each where they do not divide (an even split where they
+    do, so whole-block even splits are unchanged)."""
+    n = cols // block
+    if n * block != cols or n < tp:
+        raise ValueError(f"{cols} columns in blocks of {block} do not give each of {tp} lanes a whole block")
+    per, extra = divmod(n, tp)
+    return (lane * per + min(lane, extra)) * block, (per + (lane < extra)) * block
+
+
+def lane_block_split(src: WeightSource, tp: int, lane: int) -> tuple[int, int]:
+    """block_split of a row-split matrix's input columns (the last dimension), in its own type's blocks."""
+    cols = src.info.shape[-1]
+    qk = spec_for(src.info.type_id).block_size
+    try:
+        return block_split(cols, qk, tp, lane)
+    except ValueError as e:
+        raise ModelLoadError(f"{src.path}: tensor {src.info.name} ({src.info.type_name}): {e}") from e
 
 
 def slice_rows(src: WeightSource, start: int, count: int) -> WeightSource:

@@ -80,8 +80,11 @@ def plan_topology(split_mode: str, tps: int, n_devices: int) -> Topology:
 
 def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, int], path: str,
                        shared_split: bool = True) -> None:
-    """Refuse a split that the model's shapes cannot take. block_sizes: GGUF block size (elements) of the
-    matrices whose input dimension a lane slices (attn_output, ffn_down): a slice never cuts a block."""
+    """Refuse a split that the model's shapes cannot take. block_sizes: the largest GGUF block size
+    (elements) of each matrix whose input dimension a lane slices (attn_output, ffn_down, ffn_down_shexp).
+    The feed-forward's blocks are dealt over the lanes (sharding.block_split: a lane may hold a block more
+    than its neighbour), so only fewer blocks than lanes is refused; attn_output follows the heads, whose
+    even share must be whole blocks."""
     tp = topo.tp
     if topo.pp > arch.n_layers:
         raise ConfigError(f"{path}: {topo.pp} pipeline stages but the model has only {arch.n_layers} layers")
@@ -94,22 +97,25 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
             f"{path}: {arch.n_kv_heads} KV heads can neither be split over {tp} tensor-parallel devices "
             f"nor replicated evenly on them"
         )
+    k, qk = arch.q_size // tp, block_sizes.get("attn_output", 1)
+    if k % qk:
+        raise ConfigError(
+            f"{path}: attn_output would be split into slices of {k} columns ({arch.n_heads // tp} heads of "
+            f"{arch.head_dim}), which cuts its {qk}-element quantization blocks; use a tensor-parallel size "
+            f"whose share of the heads is whole blocks"
+        )
     # the feed-forward a lane slices: each expert's intermediate size in a mixture of experts
-    ffn = arch.moe.expert_ff if arch.moe is not None else arch.intermediate_size
-    if ffn % tp:
-        raise ConfigError(f"{path}: the feed-forward size {ffn} does not divide over {tp} devices")
-    lane_k = {"attn_output": arch.q_size // tp, "ffn_down": ffn // tp}
+    split = {"ffn_down": arch.moe.expert_ff if arch.moe is not None else arch.intermediate_size}
     if arch.moe is not None and arch.moe.shared_ff and shared_split:
-        if arch.moe.shared_ff % tp:
-            raise ConfigError(f"{path}: the shared expert's size {arch.moe.shared_ff} does not divide over {tp} "
-                              f"devices (LLAMA_SHEXP_SPLIT=0 holds it whole on each)")
-        lane_k["ffn_down_shexp"] = arch.moe.shared_ff // tp
-    for name, k in lane_k.items():
+        split["ffn_down_shexp"] = arch.moe.shared_ff
+    for name, cols in split.items():
         qk = block_sizes.get(name, 1)
-        if k % qk:
+        if cols // qk < tp:
             raise ConfigError(
-                f"{path}: {name} would be split into slices of {k} columns, which cuts its {qk}-element "
-                f"quantization blocks; use a tensor-parallel size whose slices are whole blocks"
+                f"{path}: {name} would be split into slices of {cols // tp} columns, which cuts its {qk}-element "
+                f"quantization blocks: its {cols} columns make {cols // qk} whole block(s), fewer than the {tp} "
+                f"tensor-parallel devices" + (" (LLAMA_SHEXP_SPLIT=0 holds it whole on each)"
+                                              if name == "ffn_down_shexp" else "")
             )
 
 

@@ -84,8 +84,9 @@ class MoE(nn.Module):
     """The feed-forward of one layer: router, E experts, and the shared expert where cfg.shared_ff.
 
     Under tensor parallelism (tp lanes) every lane routes alike (the router is whole on each) and holds a
-    slice of every expert's intermediate size: gate and up by rows, down by input columns in whole blocks, so
-    each lane's output is a partial sum that the layer's one AllReduce completes. The shared expert is split
+    slice of every expert's intermediate size: down by input columns in whole blocks (sharding.block_split: a
+    lane may hold a block more than its neighbour), gate and up by the same range of rows, so each lane's
+    output is a partial sum that the layer's one AllReduce completes. The shared expert is split
     the same way (shared_split), its partial folded into that AllReduce, or held whole by every lane and
     added by lane 0 alone. Expert biases: gate and up sliced, down's added by lane 0."""
 
@@ -95,29 +96,42 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.hidden = hidden
         self.tp, self.lane = tp, lane
-        self.ff = cfg.expert_ff // tp
+        self.method = method
         self.shared_tp = tp if shared_split else 1
-        self.shared_ff = cfg.shared_ff // self.shared_tp
         self.router = torch.empty(0)  # [E, H] f32
         self.router_bias: torch.Tensor | None = None
-        self.gate_up = ExpertLinear(cfg.experts, hidden, [self.ff] * 2, method)
-        self.down = ExpertLinear(cfg.experts, self.ff, [hidden], method)
-        self.shared_gate_up = QuantLinear(hidden, [self.shared_ff] * 2, method) if cfg.shared_ff else None
-        self.shared_down = QuantLinear(self.shared_ff, [hidden], method) if cfg.shared_ff else None
+        # the even shares until load reads the down projections' blocks
+        self._experts(cfg.expert_ff // tp)
+        self._shared(cfg.shared_ff // self.shared_tp)
         self.shared_gate = torch.empty(0)  # [H] f32
         # lane 0 alone adds what is not split: the down bias, and a shared expert held whole
         self.shared_scale = 1.0 if shared_split or lane == 0 else 0.0
 
+    def _experts(self, ff: int) -> None:
+        self.ff = ff
+        self.gate_up = ExpertLinear(self.cfg.experts, self.hidden, [ff] * 2, self.method)
+        self.down = ExpertLinear(self.cfg.experts, ff, [self.hidden], self.method)
+
+    def _shared(self, ff: int) -> None:
+        self.shared_ff = ff
+        self.shared_gate_up = QuantLinear(self.hidden, [ff] * 2, self.method) if self.cfg.shared_ff else None
+        self.shared_down = QuantLinear(ff, [self.hidden], self.method) if self.cfg.shared_ff else None
+
     def load(self, w, prefix: str) -> None:
         """`w` a models.weights.WeightLoader; prefix "blk.N."."""
-        from vegaserve.engine.distributed.sharding import slice_cols, slice_expert_cols, slice_expert_rows, slice_rows
+        from vegaserve.engine.distributed.sharding import (
+            lane_block_split, slice_cols, slice_expert_cols, slice_expert_rows, slice_rows,
+        )
 
         cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
-        rows = (self.lane * self.ff, self.ff)
         self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden))
         bias = cfg.biases
         if bias:
             self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
+        down = w.source(prefix + "ffn_down_exps.weight", (e, hidden, f))
+        rows = lane_block_split(down, self.tp, self.lane)  # this lane's rows of every expert: whole blocks of down
+        if rows[1] != self.ff:
+            self._experts(rows[1])
         self.gate_up.load(
             [slice_expert_rows(w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)), *rows) for n in ("gate", "up")],
             w.device,
@@ -126,16 +140,17 @@ class MoE(nn.Module):
         down_bias = None
         if bias:
             down_bias = [w.vector(prefix + "ffn_down_exps.bias", (e, hidden)) * (1.0 if self.lane == 0 else 0.0)]
-        self.down.load([slice_expert_cols(w.source(prefix + "ffn_down_exps.weight", (e, hidden, f)), *rows)], w.device,
-                       down_bias)
+        self.down.load([slice_expert_cols(down, *rows)], w.device, down_bias)
         if cfg.shared_ff:
             s, lane = cfg.shared_ff, self.lane if self.shared_tp > 1 else 0
-            srows = (lane * self.shared_ff, self.shared_ff)
+            shared_down = w.source(prefix + "ffn_down_shexp.weight", (hidden, s))
+            srows = lane_block_split(shared_down, self.shared_tp, lane)
+            if srows[1] != self.shared_ff:
+                self._shared(srows[1])
             self.shared_gate_up.load(
                 [slice_rows(w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)), *srows) for n in ("gate", "up")],
                 w.device)
-            self.shared_down.load([slice_cols(w.source(prefix + "ffn_down_shexp.weight", (hidden, s)), *srows)],
-                                  w.device)
+            self.shared_down.load([slice_cols(shared_down, *srows)], w.device)
             name = prefix + "ffn_gate_inp_shexp.weight"  # [1, H] as converted, [H] once llama-quantize wrote it
             shape = (1, hidden) if w.gguf.info(name).shape == (1, hidden) else (hidden,)
             self.shared_gate = w.vector(name, shape).reshape(hidden)

@@ -159,7 +159,8 @@ def test_the_gpu_path_agrees_with_transformers(name):
 def test_an_expert_split_that_would_cut_a_quantization_block_is_refused_before_any_worker_starts():
     """Each lane holds 16 of every expert's 32 intermediate columns: whole F32 elements, but half a Q8_0
     block of the down projection, which is refused naming the tensor and the numbers; a shared expert that
-    does not divide over the lanes is refused unless held whole (LLAMA_SHEXP_SPLIT=0)."""
+    does not divide over the lanes is dealt in whole blocks (32 and 31 F32 columns), and refused only where
+    it has fewer blocks than lanes, unless held whole (LLAMA_SHEXP_SPLIT=0)."""
     from dataclasses import replace
 
     from vegaserve.engine.config import ConfigError
@@ -173,6 +174,9 @@ def test_an_expert_split_that_would_cut_a_quantization_block_is_refused_before_a
     with pytest.raises(ConfigError, match=r"ffn_down would be split into slices of 16 columns, which cuts its 32"):
         check_model_splits(arch, Topology(2, 1), {"attn_output": 32, "ffn_down": 32, "ffn_down_shexp": 32}, "m.gguf")
     odd = replace(arch, moe=replace(arch.moe, shared_ff=63))
-    with pytest.raises(ConfigError, match="shared expert's size 63 does not divide over 2"):
-        check_model_splits(odd, Topology(2, 1), {"attn_output": 1, "ffn_down": 1}, "m.gguf")
-    check_model_splits(odd, Topology(2, 1), {"attn_output": 1, "ffn_down": 1}, "m.gguf", shared_split=False)
+    check_model_splits(odd, Topology(2, 1), {"attn_output": 1, "ffn_down": 1}, "m.gguf")
+    one_block = replace(arch, moe=replace(arch.moe, shared_ff=32))
+    with pytest.raises(ConfigError, match=r"ffn_down_shexp .* 32 columns make 1 whole block\(s\), fewer than the 2"):
+        check_model_splits(one_block, Topology(2, 1), {"attn_output": 1, "ffn_down": 1, "ffn_down_shexp": 32}, "m.gguf")
+    check_model_splits(one_block, Topology(2, 1), {"attn_output": 1, "ffn_down": 1, "ffn_down_shexp": 32}, "m.gguf",
+                       shared_split=False)

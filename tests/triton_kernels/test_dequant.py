@@ -107,8 +107,9 @@ def test_registry_ids_names_and_sizes_match_gguf():
 
 
 def test_registry_serves_exactly_the_types_in_the_design():
-    expected = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
-                "IQ4_NL", "MXFP4"}
+    expected = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
+                "MXFP4"}
     assert {spec.name for spec in GGML_TYPES.values()} == expected
     assert all(is_supported(t) for t in GGML_TYPES)
 
@@ -171,3 +172,21 @@ def test_smollm2_real_tensors_dequantize_bitwise_like_gguf():
         ours = dequantize(raw, int(tensor.tensor_type), shape)
         assert torch.equal(ours, _gguf_dequantize(raw, int(tensor.tensor_type), shape)), name
     assert {"Q4_1", "Q8_0", "F32"} <= seen
+
+
+LLAMA_QUANTIZE = Path(__file__).resolve().parents[1] / "data" / "llama_quantize" / "blocks.gguf"
+
+
+def test_blocks_written_by_llama_quantize_dequantize_bitwise_like_gguf():
+    """Real blocks of every low-bit super-block type (tests/data/llama_quantize: SmolLM2 rows requantized by
+    llama.cpp), whose scales and codes are the quantizer's choices rather than uniform draws."""
+    seen = set()
+    for tensor in gguf.GGUFReader(LLAMA_QUANTIZE).tensors:
+        type_id = int(tensor.tensor_type)
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8))
+        ours = dequantize(raw, type_id, shape)
+        assert torch.equal(ours, _gguf_dequantize(raw, type_id, shape)), tensor.name
+        assert torch.isfinite(ours).all() and ours.abs().max() < 10, tensor.name  # real weights, not garbage
+        seen.add(tensor.tensor_type.name)
+    assert seen == {"Q2_K", "Q3_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}

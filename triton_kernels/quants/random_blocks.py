@@ -1,6 +1,6 @@
 # Valid raw GGUF blocks of any served type, with random codes and finite, moderate scales: what tiny test
 # models and kernel benchmarks write, including for the types `gguf.quants` cannot quantize (K-quants,
-# IQ4_NL). Quant bytes are uniformly random (every bit pattern is a valid code); only the scale fields are
+# the IQ types). Quant bytes are uniformly random (every bit pattern is a valid code); only the scale fields are
 # drawn, log-uniformly within a range chosen so that the dequantized weights stay within about +-2, like
 # real weights, and never overflow or go non-finite.
 
@@ -20,6 +20,7 @@ class _ScaleField:
     hi: float
     signed: bool = True
     e8m0: bool = False
+    nibbles: bool = False  # the f16's four nibbles are the top nibbles of four u16 at offset (IQ1_M)
 
 
 # Ranges: max |code| * hi stays near 1 (legacy 4/5-bit codes reach 8/16, Q8_0 127, K-quant sub-scales 63
@@ -36,6 +37,20 @@ _SCALES: dict[str, tuple[_ScaleField, ...]] = {
     "IQ4_NL": (_ScaleField(0, 1e-4, 5e-3),),
     # Exponent bytes 118..125: half-scales 2^-10 .. 2^-3.
     "MXFP4": (_ScaleField(0, 118, 125, e8m0=True),),
+    # Q2_K: 4-bit sub-scales times 2-bit codes; Q3_K: 6-bit signed sub-scales (to 32) times codes to 4;
+    # IQ4_XS: the same sub-scales times levels to 127; IQ2: (s + 0.5) / 4 to 3.9 times grid values to 43;
+    # IQ3: (s + 0.5) / 2 or 2s + 1 to 31, times grid values to 62 or 15; IQ1: 2s + 1 to 15 times 1.125.
+    "Q2_K": (_ScaleField(80, 5e-4, 2e-2, signed=False), _ScaleField(82, 5e-4, 5e-2, signed=False)),
+    "Q3_K": (_ScaleField(108, 1e-4, 8e-3),),
+    "IQ4_XS": (_ScaleField(0, 1e-5, 3e-4),),
+    "IQ2_XXS": (_ScaleField(0, 1e-4, 6e-3),),
+    "IQ2_XS": (_ScaleField(0, 1e-4, 6e-3),),
+    "IQ2_S": (_ScaleField(0, 1e-4, 6e-3),),
+    "IQ3_XXS": (_ScaleField(0, 5e-5, 2e-3),),
+    "IQ3_S": (_ScaleField(0, 5e-5, 2e-3),),
+    "IQ1_S": (_ScaleField(0, 1e-3, 5e-2),),
+    # IQ1_M keeps its f16 d in the top nibbles of its four u16 scales (at byte 48)
+    "IQ1_M": (_ScaleField(48, 1e-3, 5e-2, nibbles=True),),
 }
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -64,6 +79,12 @@ def random_blocks(type_id: int, n_rows: int, n_blocks_per_row: int, generator: t
         if field.e8m0:
             exponent = torch.randint(int(field.lo), int(field.hi) + 1, (n_blocks,), generator=generator)
             blocks[:, field.offset] = exponent.to(torch.uint8)
+        elif field.nibbles:
+            scale = _draw(n_blocks, field.lo, field.hi, field.signed, generator).to(torch.float16)
+            bits = scale.view(torch.int16).to(torch.int32) & 0xFFFF
+            top = blocks[:, field.offset + 1 : field.offset + 8 : 2]  # the high byte of each u16
+            nibble = (bits[:, None] >> torch.tensor([0, 4, 8, 12])) & 15
+            blocks[:, field.offset + 1 : field.offset + 8 : 2] = (top & 15) | (nibble << 4).to(torch.uint8)
         else:
             scale = _draw(n_blocks, field.lo, field.hi, field.signed, generator).to(torch.float16)
             blocks[:, field.offset : field.offset + 2] = scale.view(torch.uint8).reshape(n_blocks, 2)
