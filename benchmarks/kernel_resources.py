@@ -50,6 +50,8 @@ from vegaserve.triton_kernels.tuning import CONFIG_DIR, Tuning, load_tuning
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 POINTERS = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
             "out_ptr": "*fp32", "count_ptr": "*i32"}
+# a plain (not expert) launch: no expert column (EXPERTS 0 leaves these two unused), no lattice table
+LAUNCH_DEFAULTS = {"ids_ptr": None, "expert_bytes": 0, "tab_ptr": None}
 ACTIVATIONS = {"cuda": "*bf16", "hip": "*fp16"}  # the tile kernel's x: the model's activation type there
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 # the device the rule sizes grids for: compute units, warp size
@@ -64,6 +66,9 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GP
     on it (a plane's row stride a multiple of 16 lets a run of int32 words load 16 bytes at a time). An
     integer not in `ints` is a plain i32."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    for name, value in LAUNCH_DEFAULTS.items():
+        if name in fn.arg_names and name not in consts and name not in (ints or {}):
+            consts[name] = value
     types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend]}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -210,7 +215,8 @@ def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
     kernel = entry["kernel"]
     nb, _, split = matmul.tile_split(tid, k, entry["nb"], entry.get("split_k", 1))
     if kernel == "tiles":
-        return matmul._matvec_kernel, matmul.tile_constexprs(tid, m, entry["block_n"], nb), entry.get("num_stages", 2)
+        fn = matmul._matvec_kernel
+        return fn, {**matmul.tile_constexprs(tid, m, entry["block_n"], nb), **_plain(fn)}, entry.get("num_stages", 2)
     if kernel == "lanes" and tid in matvec_int8.TYPES - {12, 14} and nb == 1:
         kernel = "int8"  # a one-block tile: matvec_lanes runs the int8 kernel
     if kernel == "int8":
@@ -222,7 +228,12 @@ def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
     dot = PTX_DP4A if backend == "cuda" else AMDGCN_DOT4
     consts = dict(M=m, BLOCK_N=entry["block_n"], NB=nb, SPLIT=split, DOT=dot, CARRY=entry.get("carry", 1),
                   PDL=backend == "cuda", **type_args)
-    return fn, consts, 1
+    return fn, {**consts, **_plain(fn)}, 1
+
+
+def _plain(fn) -> dict[str, int]:
+    """The constexprs of a launch that is not an expert mat-vec (no assignment column)."""
+    return {k: v for k, v in (("EXPERTS", 0), ("XDIV", 1)) if k in fn.arg_names}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
 from vegaserve.triton_kernels.matmul import dequantize_dense
 from vegaserve.triton_kernels.matvec import Choice
-from vegaserve.triton_kernels.matvec_launch import Experts
+from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
 from vegaserve.triton_kernels.q8_1 import Q8_1
 
 

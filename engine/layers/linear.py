@@ -190,8 +190,7 @@ class TritonMethod(QuantMethod):
 
     def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
                       q8_1: tuple | None = None) -> torch.Tensor:
-        from vegaserve.triton_kernels.matvec_launch import Experts
-        from vegaserve.triton_kernels.moe import expert_matmul
+        from vegaserve.triton_kernels.moe import Experts, expert_matmul
         from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
         experts = Experts(ids, x_div)
