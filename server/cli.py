@@ -1,9 +1,9 @@
 """`vegaserve` command line: `serve` (the default), `perplexity`, `tune`, `bench`.
 
 Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
-the flags given end up in the config tree, above the environment and the `--config` YAML file. Flags of
-features not implemented yet stop the start with one line saying so; `-ngl`, `-fa` and `--seed` are accepted
-for llama-server's launch lines and change nothing in serving (their help says why).
+the flags given end up in the config tree, above the environment and the `--config` YAML file. A value of a
+feature not implemented yet (`--spec-type draft-mtp`) stops the start with one line saying so; `-ngl`, `-fa`
+and `--seed` are accepted for llama-server's launch lines and change nothing in serving (their help says why).
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "api_key": ("server", "api_key"),
     "log_level": ("server", "log_level"),
     "drain_timeout": ("server", "drain_timeout_s"),
+    "spec_type": ("speculative", "type"),
+    "model_draft": ("speculative", "draft_model"),
+    "draft_max": ("speculative", "draft_max"),
+    "draft_min": ("speculative", "draft_min"),
+    "draft_p_min": ("speculative", "draft_p_min"),
+    "spec_ngram_size_n": ("speculative", "ngram_size"),
     "device": (None, "device"),
     "seed": (None, "seed"),
 }
-
-# flag dest -> spelling: speculative decoding is not implemented yet (`--spec-type none` asks for nothing)
-_NOT_YET_FLAGS = {"spec_type": "--spec-type", "model_draft": "-md", "draft_max": "--draft-max"}
-
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -96,9 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device the split must fit in, "
                    "checked at start (default: what the device reports)")
     g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"],
-                   help="speculative decoding: not implemented yet, only none is accepted")
-    g.add_argument("-md", "--model-draft", help="draft model GGUF: not implemented yet, refused")
-    g.add_argument("--draft-max", type=int, help="draft tokens per step: not implemented yet, refused")
+                   help="speculative decoding: ngram (prompt lookup), draft (a draft model, -md); draft-mtp is not "
+                   "implemented yet (default none)")
+    g.add_argument("-md", "--model-draft", "--spec-draft-model", metavar="FILE",
+                   help="the draft model's GGUF for --spec-type draft; it must share the model's vocabulary")
+    g.add_argument("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", type=int, metavar="N",
+                   help="tokens guessed per step at most (default: 8 for ngram, 16 for draft)")
+    g.add_argument("--draft-min", "--draft-n-min", "--spec-draft-n-min", type=int, metavar="N",
+                   help="fewer guesses than N are not verified (default 0)")
+    g.add_argument("--draft-p-min", "--spec-draft-p-min", type=float, metavar="P",
+                   help="the draft model stops guessing where its top token is less likely than P (default 0.75)")
+    g.add_argument("--spec-ngram-size-n", type=int, metavar="N",
+                   help="ngram: the longest suffix looked up in the request's tokens (default 3)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get to finish after SIGTERM (default 30)")
 
@@ -123,10 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_tree_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    for dest, flag in _NOT_YET_FLAGS.items():
-        value = getattr(args, dest, None)
-        if value not in (None, "none"):
-            raise ConfigError(f"{flag} {value}: speculative decoding is not implemented yet")
     tree: dict[str, Any] = {}
     k_type, v_type = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
     if v_type is not None and v_type != (k_type or v_type):

@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names, so dashboards built for vLLM read vegaserve unchanged.
 
-Two sources: the engine's own counts (queue lengths, KV use, prefix cache, preemptions) are read from
-`engine.stats()` when Prometheus scrapes; per-request latencies and token counts are measured here, in the
-server, from the stream of outputs each request produces. Every app gets its own registry, so several apps
+Two sources: the engine's own counts (queue lengths, KV use, prefix cache, preemptions, and speculative
+decoding's guesses while it runs) are read from `engine.stats()` when Prometheus scrapes; per-request latencies
+and token counts are measured here, in the server, from the stream of outputs each request produces. Every app gets its own registry, so several apps
 (tests, or one process serving two models) never collide in prometheus-client's global one.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from vegaserve.engine.protocol import EngineClient
+from vegaserve.engine.protocol import EngineClient, EngineStats
 from vegaserve.engine.request import FinishReason, RequestOutput
 
 logger = logging.getLogger("vegaserve.server")
@@ -77,6 +77,27 @@ class _EngineStatsCollector:
         for family, value in zip(self._families(), values, strict=True):
             family.add_metric(model, float(value))
             yield family
+        if stats.spec_accepted_per_pos:  # one count per draft position while the engine speculates, () otherwise
+            yield from _spec_decode_families(stats, model)
+
+
+def _spec_decode_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters: the acceptance rate is accepted / draft tokens, the mean accepted length
+    1 + accepted / drafts."""
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Verify steps of a sequence that had guesses.", stats.spec_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Guessed tokens verified.", stats.spec_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Guessed tokens kept.", stats.spec_num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(model, float(value))
+        yield family
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Guesses kept, by their position in the draft (0: the first).",
+                                  labels=[*LABELS, "position"])
+    for position, kept in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([*model, str(position)], float(kept))
+    yield per_pos
 
 
 class ServerMetrics:

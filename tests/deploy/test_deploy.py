@@ -7,6 +7,8 @@ against the metric names the server really exports (the app around the fake engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import re
@@ -408,8 +410,12 @@ def _load_fake_engine():
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    """Sample names on the live /metrics of the app around the fake engine, after one request."""
-    with TestClient(create_app(_load_fake_engine().FakeEngine())) as client:
+    """Sample names on the live /metrics of the app around the fake engine, after one request; the engine
+    speculates, so the speculative-decoding series are there too."""
+    engine = _load_fake_engine().FakeEngine()
+    engine.stats_value = dataclasses.replace(engine.stats_value, spec_num_drafts=4, spec_num_draft_tokens=12,
+                                             spec_num_accepted_tokens=7, spec_accepted_per_pos=(4, 2, 1))
+    with TestClient(create_app(engine)) as client:
         assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).status_code == 200
         text = client.get("/metrics").text
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
@@ -426,6 +432,10 @@ REQUIRED = {
     "KV cache usage": ["vllm:kv_cache_usage_perc"],
     "prefix cache hit rate": ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"],
     "preemptions": ["vllm:num_preemptions_total"],
+    "speculative decoding's acceptance": ["vllm:spec_decode_num_accepted_tokens_total",
+                                          "vllm:spec_decode_num_draft_tokens_total",
+                                          "vllm:spec_decode_num_drafts_total"],
+    "acceptance by draft position": ["vllm:spec_decode_num_accepted_tokens_per_pos_total"],
 }
 
 

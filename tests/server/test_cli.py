@@ -14,7 +14,7 @@ import pytest
 
 import vegaserve.server.cli as cli
 import vegaserve.server.serve_cmd as serve_cmd
-from vegaserve.engine.config import ConfigError, EngineConfig
+from vegaserve.engine.config import ConfigError, EngineConfig, SpeculativeConfig
 from vegaserve.engine.env import NOT_YET, SWITCHES
 
 
@@ -209,40 +209,62 @@ def test_config_error_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[
     assert not served
 
 
-# -- features not implemented yet ----------------------------------------------------------------------
+# -- speculative decoding -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--spec-type", "ngram"], SpeculativeConfig(type="ngram")),
+        (["--spec-type", "ngram", "--draft-max", "4", "--spec-ngram-size-n", "5"],
+         SpeculativeConfig(type="ngram", draft_max=4, ngram_size=5)),
+        (["--spec-type", "draft", "-md", "d.gguf", "--draft-max", "8", "--draft-min", "2", "--draft-p-min", "0.5"],
+         SpeculativeConfig(type="draft", draft_model="d.gguf", draft_max=8, draft_min=2, draft_p_min=0.5)),
+        # llama-server's newer spellings of the same flags
+        (["--spec-type", "draft", "--spec-draft-model", "d.gguf", "--spec-draft-n-max", "3", "--spec-draft-n-min", "1",
+          "--spec-draft-p-min", "0.9"],
+         SpeculativeConfig(type="draft", draft_model="d.gguf", draft_max=3, draft_min=1, draft_p_min=0.9)),
+        (["--spec-type", "draft", "--model-draft", "d.gguf", "--draft", "6"],
+         SpeculativeConfig(type="draft", draft_model="d.gguf", draft_max=6)),
+    ],
+)  # fmt: skip
+def test_speculative_flags_reach_the_engine_config(
+    argv: list[str], want: SpeculativeConfig, served: list[EngineConfig]
+) -> None:
+    assert cli.main(["serve", *argv]) == 0
+    assert [c.speculative for c in served] == [want]
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["serve", "--spec-type", "ngram"], "--spec-type ngram"),
-        (["serve", "--spec-type", "draft-mtp"], "--spec-type draft-mtp"),
-        (["serve", "-md", "x.gguf"], "-md x.gguf"),
-        (["serve", "--model-draft", "x.gguf"], "-md x.gguf"),
-        (["serve", "--draft-max", "4"], "--draft-max 4"),
-        (["--spec-type", "draft", "-md", "d.gguf", "--draft-max", "8"], "--spec-type draft"),
+        (["--spec-type", "ngram", "--draft-max", "0"], "--draft-max must be at least 1, got 0"),
+        (["--spec-type", "draft"], "--spec-type draft needs a draft model: -md FILE"),
+        (["-md", "d.gguf"], "-md (a draft model) needs --spec-type draft, not none"),
+        (["--spec-type", "ngram", "--draft-min", "9", "--draft-max", "4"], "--draft-min 9 exceeds --draft-max 4"),
+        (["--spec-type", "draft", "-md", "d.gguf", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1], got 1.5"),
+        (["--spec-type", "ngram", "--spec-ngram-size-n", "1"], "--spec-ngram-size-n must be at least 2, got 1"),
     ],
-)
-def test_speculative_flags_exit_2_with_one_line_before_any_model_loads(
+)  # fmt: skip
+def test_bad_speculative_flags_exit_2_with_one_line_before_any_model_loads(
     argv: list[str], says: str, served: list[EngineConfig], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(argv) == 2
-    line = _one_error_line(capsys)
-    assert line == f"vegaserve: error: {says}: speculative decoding is not implemented yet"
+    assert cli.main(["serve", *argv]) == 2
+    assert says in _one_error_line(capsys)
     assert not served  # run_server, which loads the model, was never reached
 
 
 @pytest.mark.parametrize(
     ("content", "says"),
     [
-        ("speculative:\n  spec_type: ngram\n", "section 'speculative': speculative decoding is not implemented yet"),
-        ("speculative:\n  draft_model: d.gguf\n  num_draft_tokens: 4\n", "speculative decoding is not implemented yet"),
+        ("speculative:\n  spec_type: ngram\n", "unknown setting(s) in 'speculative': spec_type"),
+        ("speculative:\n  type: ngram\n  draft_max: 0\n", "--draft-max must be at least 1, got 0"),
         ("parallel:\n  split_mode: tensor\n  custom_allreduce: true\n",
          "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
     ],
-    ids=["spec-type", "draft-model", "custom-allreduce"],
+    ids=["misspelt-key", "draft-max-0", "custom-allreduce"],
 )  # fmt: skip
-def test_not_yet_settings_in_the_config_file_exit_2_with_one_line(
+def test_bad_or_not_yet_settings_in_the_config_file_exit_2_with_one_line(
     tmp_path: Path, content: str, says: str, served: list[EngineConfig], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "settings.yaml"
@@ -250,6 +272,15 @@ def test_not_yet_settings_in_the_config_file_exit_2_with_one_line(
     assert cli.main(["serve", "--config", str(path)]) == 2
     assert says in _one_error_line(capsys)
     assert not served
+
+
+def test_speculative_settings_in_the_config_file_reach_the_engine_config(
+    tmp_path: Path, served: list[EngineConfig]
+) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text("speculative:\n  type: ngram\n  draft_max: 5\n")
+    assert cli.main(["serve", "--config", str(path), "--draft-max", "3"]) == 0
+    assert [c.speculative for c in served] == [SpeculativeConfig(type="ngram", draft_max=3)]  # the flag wins
 
 
 @pytest.mark.parametrize("name", list(NOT_YET))

@@ -138,3 +138,14 @@ def test_speculative_decoding_metrics_are_not_exported_while_it_does_not_run(cli
     families = {family.name for family in text_string_to_metric_families(text)}
     assert not [name for name in families if "spec_decode" in name]
     assert "spec_decode" not in text
+
+
+def test_speculative_decoding_counters_are_read_from_stats_while_it_runs(client, engine):
+    engine.stats_value = replace(engine.stats_value, spec_num_drafts=9, spec_num_draft_tokens=30,
+                                 spec_num_accepted_tokens=17, spec_accepted_per_pos=(8, 5, 4))
+    samples = scrape(client)
+    assert value(samples, "vllm:spec_decode_num_drafts_total") == 9
+    assert value(samples, "vllm:spec_decode_num_draft_tokens_total") == 30
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total") == 17
+    per_pos = [value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(4)]
+    assert per_pos == [8, 5, 4, 0]
