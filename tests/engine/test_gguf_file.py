@@ -332,14 +332,14 @@ def test_unknown_architecture_names_it_and_the_file(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type_names_the_tensor_and_type(tiny: Path, tmp_path: Path) -> None:
-    q2_k = gguf.GGMLQuantizationType.Q2_K
-    block, type_size = gguf.GGML_QUANT_SIZES[q2_k]
+    tq2_0 = gguf.GGMLQuantizationType.TQ2_0  # the ternary type: no kernel serves it
+    block, type_size = gguf.GGML_QUANT_SIZES[tq2_0]
     rows = SPEC.hidden  # attn_q: [n_heads * head_dim, hidden]
     raw = np.random.default_rng(2).integers(0, 256, (rows, SPEC.hidden // block * type_size), dtype=np.uint8)
-    path = tmp_path / "q2k.gguf"
-    rewrite_gguf(tiny, path, replace={"blk.0.attn_q.weight": (raw, q2_k)})
+    path = tmp_path / "tq2_0.gguf"
+    rewrite_gguf(tiny, path, replace={"blk.0.attn_q.weight": (raw, tq2_0)})
     assert GGUFFile(path).info("blk.0.attn_q.weight").shape == (rows, SPEC.hidden)  # the index takes it
-    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight: unsupported tensor type Q2_K") as e:
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight: unsupported tensor type TQ2_0") as e:
         engine_core(path)
     assert str(path) in str(e.value)
 
