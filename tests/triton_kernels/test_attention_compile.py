@@ -1,6 +1,6 @@
 """The attention kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each backend's fallback
 launch parameters, the decode split kernel with one partition and several, and the kernels that write the
-output with and without its q8_1 copy:
+output with and without its q8_1 copy, and gpt-oss's sliding window and attention sinks:
 the interpreter accepts code the compiler rejects, and these compilers need no GPU.
 
 Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). f16
@@ -23,7 +23,7 @@ backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 types = {"q_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32",
          "qstart_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-         "q8_ptr": "*i8", "q8d_ptr": "*fp32", "q8s_ptr": "*fp32", "qk_scale": "fp32"}
+         "q8_ptr": "*i8", "q8d_ptr": "*fp32", "q8s_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32"}
 
 def build(fn, consts, opts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -35,11 +35,16 @@ for single, q8 in ((False, False), (True, True), (False, True), (True, False)):
     build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
           BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, Q8=q8, PDL=pdl),
           opts)
-for q8 in (False, True):
-    build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, Q8=q8, PDL=pdl), {})
+# gpt-oss's layers: a sliding window and attention sinks
+build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
+      BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=False, Q8=False, PDL=pdl,
+      WINDOW=128, SINKS=1), opts)
+for q8, sinks in ((False, 0), (True, 0), (False, 1)):
+    build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, Q8=q8, PDL=pdl, SINKS=sinks), {})
 meta, opts = split_params(backend_fallback(backend, "prefill"))
-build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,
-      BLOCK_D=128, BLOCK_N=meta["block_n"], DOT_F32=False), opts)
+for window, sinks in ((0, 0), (128, 1)):
+    build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,
+          BLOCK_D=128, BLOCK_N=meta["block_n"], DOT_F32=False, WINDOW=window, SINKS=sinks), opts)
 print("compiled")
 """
 
