@@ -26,8 +26,9 @@ backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 dot = PTX_DP4A if backend == "cuda" else AMDGCN_DOT4
 types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
-common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False)
+         "out_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*u8"}
+# a plain launch, not an expert mat-vec: the constexprs at their defaults, as a launch leaves them
+common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False, EXPERTS=0, XDIV=1)
 kernels = {}
 for name, nb in (("Q8_0", 32), ("Q4_0", 32), ("IQ4_NL", 32), ("MXFP4", 32), ("Q4_K", 8), ("Q6_K", 4)):
     fn, type_args = matvec_int8.kernel_for(getattr(T, name), 1)  # as a one-row launch takes it
@@ -41,7 +42,7 @@ if backend == "cuda":  # matrix units: gfx906 has none
         kernels[name + "_lanes"] = (matvec_mma.lanes_kernel,
                                     dict(M=8, BLOCK_N=64, NB=4, **matvec_mma.kernel_args(getattr(T, name), 4)))
 for name, (fn, consts) in kernels.items():
-    consts = {**common, **consts}
+    consts = {k: v for k, v in {**common, **consts}.items() if k in fn.arg_names}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4})
     asm = k.asm["ptx" if backend == "cuda" else "amdgcn"]
@@ -93,11 +94,13 @@ from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.int8_ops import PTX_DP4A
 
 TYPES = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8", "part_ptr": "*fp32",
-         "out_ptr": "*fp32", "count_ptr": "*i32"}
+         "out_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*u8"}
+PLAIN = {"EXPERTS": 0, "XDIV": 1}  # not an expert mat-vec: these constexprs at their defaults, as a launch leaves them
 
 
 def sm90(fn, consts, warps):
     # fn compiled for sm_90 as a launch specialises it (pointers, offsets and row strides divisible by 16)
+    consts = {k: v for k, v in {**PLAIN, **consts}.items() if k in fn.arg_names}
     sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n in TYPES or re.fullmatch(r"[or]\d|N|K", n)}
