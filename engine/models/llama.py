@@ -11,7 +11,8 @@ every other layer, the experts' clamped SwiGLU).
 Many devices (engine/distributed/): a model object holds one rank's share. Its stage's layers only (the
 embedding on the first stage, norm and head on the last); inside a tensor-parallel group each lane holds a
 slice: q/k/v and gate/up by output rows (heads, feed-forward columns), o_proj and down by input columns in
-whole quantization blocks, the embedding and head by vocabulary rows. One AllReduce after attention, one
+whole quantization blocks (down's dealt over the lanes, so a lane may hold a block more than its neighbour,
+gate/up taking the same rows), the embedding and head by vocabulary rows. One AllReduce after attention, one
 after the MLP, one after the embedding (rows a lane does not own are zero); the head's slices are gathered.
 With one device every slice is the whole tensor and every collective the identity.
 """
