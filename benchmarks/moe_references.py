@@ -146,7 +146,7 @@ def write_tokenizer(fam: Family, src: Path, out: Path) -> transformers.PreTraine
     assert all(tokens[256 + i] == m.replace(" ", "") for i, m in enumerate(merges[: n_bpe - 256]))
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens[:n_bpe])},
                                [tuple(m.split(" ")) for m in merges[: n_bpe - 256]]))
-    if fam.pre == "qwen2":
+    if fam.pre in ("qwen2", "qwen35"):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(fam.regex), behavior="isolated"),
@@ -351,7 +351,7 @@ class LlamaCpp:
                         f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}", f"-L{self.lib}", "-lllama",
                         "-lggml", "-lggml-base", f"-Wl,-rpath,{self.lib}"], check=True)
 
-    def convert(self, fam: Family, hf_dir: Path, out: Path) -> None:
+    def convert(self, fam: Family, hf_dir: Path, out: Path, *extra: str) -> None:
         shim = ("import runpy, sys\n"
                 "src, pre = sys.argv[1], sys.argv[2]\n"
                 "sys.path[:0] = [src, src + '/gguf-py']\n"
@@ -360,7 +360,7 @@ class LlamaCpp:
                 "sys.argv = ['convert_hf_to_gguf.py'] + sys.argv[3:]\n"
                 "runpy.run_path(src + '/convert_hf_to_gguf.py', run_name='__main__')\n")
         subprocess.run([sys.executable, "-c", shim, str(self.src), fam.pre, str(hf_dir), "--outtype", "f32",
-                        "--outfile", str(out)], check=True, capture_output=True)
+                        "--outfile", str(out), *extra], check=True, capture_output=True)
 
     def quantize(self, f32: Path, out: Path) -> None:
         exe = next(self.build.rglob("llama-quantize"))
@@ -518,31 +518,43 @@ def dumps(obj: Any, depth: int = 0) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def command_line(doc: str, out: Path, families: list[str], prefix: str) -> tuple[argparse.Namespace, Path, LlamaCpp]:
+    """The reference scripts' command line (this one's and hybrid_references.py's): the arguments, the work
+    folder and the llama.cpp build; prints the agreement table's header."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
     ap.add_argument("--llama-build", type=Path, required=True, help="its CMake build folder")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=out)
     ap.add_argument("--work", type=Path, help="where the Hugging Face models go (default: a temporary folder)")
-    ap.add_argument("--models", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--models", nargs="*", default=families)
     args = ap.parse_args()
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="moe_references_"))
+    work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
     cpp = LlamaCpp(args.llama_cpp.resolve(), args.llama_build.resolve(), work)
     print(f"{'model':9s} {'comparison':48s} {'argmax':>8s} {'clear':>8s} {'med|dlp|':>9s} {'max|dlp|':>9s} {'max rel':>8s}")
+    return args, work, cpp
+
+
+def print_agreement(bench: str, name: str, rows: dict[str, dict[str, Any]], extra: dict[str, Any]) -> None:
+    """One table row per comparison, then the JSON line."""
+    for what, a in rows.items():
+        print(f"{name:9s} {what:48s} {a['argmax_agree']:3d}/{a['rows']:<4d} {a['argmax_agree_clear']:3d}/"
+              f"{a['clear_rows']:<4d} {a['top5_dlogprob_median']:9.2e} {a['top5_dlogprob_max']:9.2e} "
+              f"{a['row_rel_diff_max']:8.2e}")
+    print(json.dumps({"bench": bench, "model": name, **rows, **extra}))
+
+
+def main() -> None:
+    args, work, cpp = command_line(__doc__, OUT, list(FAMILIES), "moe_references_")
     for name in args.models:
         ref = make(FAMILIES[name], cpp, args.out, work)
         (args.out / f"{name}.json").write_text(dumps(ref) + "\n")
         rows = dict(ref["agreement"])
         if "llama_cpp_f32_vs_transformers_with_truncated_yarn" in ref["diagnostics"]:
             rows["llama_cpp_f32_vs_transformers_truncated_yarn"] = ref["diagnostics"]["llama_cpp_f32_vs_transformers_with_truncated_yarn"]
-        for what, a in rows.items():
-            print(f"{name:9s} {what:48s} {a['argmax_agree']:3d}/{a['rows']:<4d} {a['argmax_agree_clear']:3d}/"
-                  f"{a['clear_rows']:<4d} {a['top5_dlogprob_median']:9.2e} {a['top5_dlogprob_max']:9.2e} "
-                  f"{a['row_rel_diff_max']:8.2e}")
-        print(json.dumps({"bench": "moe_references", "model": name, **rows}))
+        print_agreement("moe_references", name, rows, {})
     print(f"wrote {args.out}; Hugging Face models in {work}")
 
 

@@ -12,7 +12,9 @@ up), a step is one host-to-device copy and one replay:
 The graph's tensors keep their addresses between replays, so everything it reads is a static buffer
 filled before the replay, and everything it allocates comes from one memory pool shared by the buckets.
 A batch smaller than its bucket is padded: padded rows read token 0 at position 0 with one key, and write
-their k/v to the cache's spare block, which no sequence owns (KVCache spare slots). The attention grid is
+their k/v to the cache's spare block, which no sequence owns (KVCache spare slots). A hybrid model's step also
+stages each row's recurrent-state slot (padded rows: the state's spare slot); a row with one key (a
+sequence's first token) starts from a zero state, as ForwardBatch.recurrent says. The attention grid is
 sized for max_model_len at capture, so one graph serves every context length (partitions past a
 sequence's end do no work).
 
@@ -29,7 +31,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from vegaserve.engine.forward_batch import AttentionInputs, ForwardBatch
+from vegaserve.engine.forward_batch import AttentionInputs, ForwardBatch, RecurrentInputs
 from vegaserve.engine.layers.attention import KVCache
 from vegaserve.engine.models.llama import LlamaModel
 
@@ -60,8 +62,14 @@ class DecodeGraphs:
         B = self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.spare_block = cache.num_slots // block_size
-        # staging layout, int32: ids [B] | positions [B] | new slots [B] | key counts [B] | tables [B, blocks]
-        self.n_staged = 4 * B + B * self.max_blocks
+        state = cache.state
+        if state is not None and state.conv.shape[1] <= state.slots:
+            raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
+        self.spare_state = state.slots if state is not None else -1
+        # staging layout, int32: ids [B] | positions [B] | new slots [B] | key counts [B] | (hybrid models:
+        # state slots [B]) | tables [B, blocks]
+        self.n_vec = 4 + (state is not None)
+        self.n_staged = self.n_vec * B + B * self.max_blocks
         on_gpu = device.type == "cuda"
         self.host = torch.zeros(self.n_staged, dtype=torch.int32, pin_memory=on_gpu)
         self.host_np = self.host.numpy()
@@ -71,6 +79,7 @@ class DecodeGraphs:
         self.new_slots = torch.zeros(B, dtype=torch.int64, device=device)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.has_state = torch.zeros(B, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if on_gpu else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad(B)
@@ -80,15 +89,20 @@ class DecodeGraphs:
 
     def _host_views(self, b: int):
         """numpy views of the pinned staging (numpy: element writes from Python cost ~100 ns, not ~5 us)."""
-        B = self.max_batch
+        B, v = self.max_batch, self.n_vec
         h = self.host_np
-        return h[:b], h[B : B + b], h[2 * B : 2 * B + b], h[3 * B : 3 * B + b], h[4 * B :].reshape(B, self.max_blocks)[:b]
+        return (h[:b], h[B : B + b], h[2 * B : 2 * B + b], h[3 * B : 3 * B + b], h[4 * B : 4 * B + b],
+                h[v * B :].reshape(B, self.max_blocks)[:b])
 
     def _batch(self, b: int) -> ForwardBatch:
         """The static batch of bucket b: views of the device buffers the graph reads."""
         B = self.max_batch
-        tables = self.staged[4 * B :].view(B, self.max_blocks)
+        tables = self.staged[self.n_vec * B :].view(B, self.max_blocks)
         fb = ForwardBatch(self.ids[:b], self.positions[:b], [], self.rows[:b], self.block_size)
+        if self.spare_state >= 0:
+            fb.__dict__["recurrent"] = RecurrentInputs(  # the cached_property, set to the static tensors
+                slots=self.staged[4 * B : 4 * B + b], has_state=self.has_state[:b], query_start=self.query_start[: b + 1],
+                max_query_len=1)
         fb.__dict__["attention"] = AttentionInputs(  # the cached_property, set to the static tensors
             block_tables=tables[:b], seq_lens=self.staged[3 * B : 3 * B + b], query_start=self.query_start[: b + 1],
             new_slots=self.new_slots[:b], page_size=self.block_size, max_seq_len=self.max_model_len,
@@ -102,14 +116,18 @@ class DecodeGraphs:
         self.ids[:b].copy_(self.staged[:b])
         self.positions[:b].copy_(self.staged[B : B + b])
         self.new_slots[:b].copy_(self.staged[2 * B : 2 * B + b])
+        if self.spare_state >= 0:  # a row with one key is a sequence's first token: no state before it
+            self.has_state[:b].copy_(self.staged[3 * B : 3 * B + b] > 1)
 
     def _pad(self, start: int) -> None:
         """Host rows start .. B - 1: token 0 at position 0, one key, the spare block."""
-        ids, pos, slots, lens, tables = self._host_views(self.max_batch)
+        ids, pos, slots, lens, states, tables = self._host_views(self.max_batch)
         ids[start:] = 0
         pos[start:] = 0
         slots[start:] = self.spare_block * self.block_size
         lens[start:] = 1
+        if self.spare_state >= 0:
+            states[start:] = self.spare_state
         tables[start:] = self.spare_block
 
     # ---------------------------------------------------------------------------------------- capture
@@ -147,15 +165,21 @@ class DecodeGraphs:
         return (0 < len(seqs) <= self.max_batch and not any(all_logits)
                 and all(len(t) == 1 and start < self.max_model_len for _, start, t in seqs))
 
-    def run(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None = None,
+            state_slots: tuple[int, ...] = ()) -> torch.Tensor:
         """Logits [len(seqs), vocab] f32 of a decode step (seqs as StepPlan.seqs). The tensor is the
         graph's output buffer: read it before the next step. input_ids [len(seqs)] on the device: the
-        tokens, copied into the staging on the device after the host's part (async decode)."""
+        tokens, copied into the staging on the device after the host's part (async decode). state_slots:
+        each sequence's recurrent-state slot (hybrid models)."""
+        if self.spare_state >= 0 and len(state_slots) != len(seqs):
+            raise ValueError(f"a hybrid model's decode step needs a state slot per sequence, got {len(state_slots)}")
         S = len(seqs)
         b = next(x for x in self.buckets if x >= S)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        ids, pos, slots, lens, tables = self._host_views(self.max_batch)
+        ids, pos, slots, lens, states, tables = self._host_views(self.max_batch)
+        if self.spare_state >= 0:
+            states[:S] = state_slots
         bs = self.block_size
         for i, (blocks, start, tokens) in enumerate(seqs):
             ids[i] = tokens[0]
@@ -164,8 +188,8 @@ class DecodeGraphs:
             slots[i] = blocks[start // bs] * bs + start % bs
             tables[i, : len(blocks)] = blocks  # entries past a row's blocks are never read
         self._pad(S)
-        # the four vectors whole, then the bucket's rows of the tables
-        n = 4 * self.max_batch + b * self.max_blocks
+        # the vectors whole, then the bucket's rows of the tables
+        n = self.n_vec * self.max_batch + b * self.max_blocks
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
         if input_ids is not None:
             self.staged[:S].copy_(input_ids)

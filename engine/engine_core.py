@@ -31,6 +31,7 @@ from vegaserve.engine.request import ContextLengthError, GenerateRequest, Invali
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Status
 from vegaserve.engine.speculative import make_speculator
+from vegaserve.engine.state_pool import StatePool
 from vegaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class EngineCore:
         self.executor = start_executor(self.launch, self.device, self.gguf, show_progress)
         self.pool = BlockPool(num_blocks, bs)
         self.runner = ModelRunner(self.executor, bs)
-        self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16))
+        # hybrid models: a recurrent-state slot per running sequence (the workers hold n_seqs of them)
+        self.states = StatePool(n_seqs) if self.arch.hybrid is not None else None
+        self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.spec = make_speculator(config, self.arch, self.gguf, self.device, num_blocks, self.max_model_len, show_progress)
@@ -196,11 +199,14 @@ class EngineCore:
         from the pool like a request's and go back uncached, so served requests are never disturbed."""
         table = BlockTable(self.pool)
         table.append_slots(len(token_ids))
+        state = (self.states.allocate(),) if self.states is not None else ()
         try:
-            plan = StepPlan([(table.blocks_of(len(token_ids)), 0, token_ids)], [all_rows], self.pool.block_size)
+            plan = StepPlan([(table.blocks_of(len(token_ids)), 0, token_ids)], [all_rows], self.pool.block_size, state)
             return self.executor.forward(plan)
         finally:
             table.release()
+            if state:
+                self.states.free(state[0])
 
     def generate_sync(self, req: GenerateRequest) -> list[RequestOutput]:
         """Run one request to completion (perplexity, tests, benchmarks)."""

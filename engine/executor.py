@@ -65,7 +65,8 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
 
 
 def make_worker(launch: Launch, model, comm, device: torch.device, show_progress: bool = False) -> StageWorker:
-    """The rank's worker: its KV cache in the configured type and, on a single GPU, its decode graphs."""
+    """The rank's worker: its KV cache in the configured type (a hybrid model's recurrent state for
+    max_num_seqs sequences beside it) and, on a single GPU, its decode graphs."""
     cfg = launch.config
     bs = cfg.cache.block_size
     if device.type == "cuda":
@@ -74,7 +75,8 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         pdl.set_enabled(cfg.kernels.pdl)
     graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
-                         kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0)
+                         kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0,
+                         state_slots=cfg.scheduler.max_num_seqs)
     if graphs:
         from vegaserve.engine.cuda_graphs import DecodeGraphs
 

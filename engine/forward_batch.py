@@ -1,6 +1,7 @@
 """One step's work on its way down to the model, in two forms (the chain: engine/request.py):
 
     StepPlan       plain Python, what every rank receives: per sequence its KV block ids, start, new tokens
+                   (and, for a hybrid model, its recurrent-state slot)
     ForwardBatch   the same as tensors on the rank's device: what the model sees (flat tokens of the seqs)
 
 The model runner turns a ScheduledBatch into a StepPlan; the executor runs it in place (one device) or
@@ -39,6 +40,7 @@ class StepPlan:
     seqs: list[tuple[list[int], int, list[int]]]  # (KV blocks of positions 0 .. start + n - 1, start, new tokens)
     all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
     block_size: int  # tokens per KV block: position p is in slot blocks[p // bs] * bs + p % bs
+    state_slots: tuple[int, ...] = ()  # hybrid models: each sequence's recurrent-state slot; else empty
 
 
 class HostStaging:
@@ -81,6 +83,7 @@ class SeqSlice:
     n: int  # new tokens this step
     offset: int  # first row of the sequence in the flat batch
     slots: torch.Tensor  # [start + n] int64: cache slot of every position of the sequence so far
+    state_slot: int = -1  # its recurrent-state slot (hybrid models), else -1
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,16 @@ class AttentionInputs:
     max_query_len: int
 
 
+@dataclass(frozen=True)
+class RecurrentInputs:
+    """The linear-attention kernels' view of one step (hybrid models; int32)."""
+
+    slots: torch.Tensor  # [S] recurrent-state slot of each sequence
+    has_state: torch.Tensor  # [S] 1: the sequence goes on from its slot's state; 0: it starts from zeros
+    query_start: torch.Tensor  # [S + 1]: sequence s owns rows query_start[s] .. query_start[s + 1] - 1
+    max_query_len: int
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -106,13 +119,18 @@ class ForwardBatch:
     # per sequence, staged with the rest by build: first slot in the concatenation, last block, keys, and
     # query_start; `attention` computes them where a batch was made without build
     meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    state_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # hybrid models: state slots, has_state, staged
 
     @classmethod
     def build(cls, seqs: list[tuple[Sequence[int], int, list[int]]], all_logits: list[bool], device: torch.device,
-              block_size: int | None = None, staging: HostStaging | None = None) -> ForwardBatch:
+              block_size: int | None = None, staging: HostStaging | None = None,
+              state_slots: Sequence[int] = ()) -> ForwardBatch:
         """seqs: (slots of positions 0..start+n-1, start, new token ids); all_logits[i]: logits for every new
         token of sequence i, else for its last one. block_size: the KV pool's, for block tables. staging:
-        where the host data goes to the device in one copy (else one tensor per piece)."""
+        where the host data goes to the device in one copy (else one tensor per piece). state_slots: each
+        sequence's recurrent-state slot (hybrid models), or empty."""
+        if state_slots and len(state_slots) != len(seqs):
+            raise ValueError(f"{len(state_slots)} state slots for {len(seqs)} sequences")
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -131,12 +149,25 @@ class ForwardBatch:
         last_blocks = [-(-length // page) - 1 for length in lens]
         qstart = [*(o for _, _, o in spans), len(ids)]
         staging = staging or HostStaging(device)
+        states = [list(state_slots), [int(a > 0) for a, _, _ in spans]] if state_slots else []
         ids_t, pos_t, rows_t, *rest = staging.upload(
-            [ids, pos, rows, firsts, last_blocks, lens, qstart, *(slots for slots, _, _ in seqs)]
+            [ids, pos, rows, firsts, last_blocks, lens, qstart, *states, *(slots for slots, _, _ in seqs)]
         )
-        meta, slot_ts = tuple(rest[:4]), rest[4:]
-        slices = [SeqSlice(start=a, n=n, offset=o, slots=t) for (a, n, o), t in zip(spans, slot_ts, strict=True)]
-        return cls(ids_t, pos_t, slices, rows_t, block_size, meta)
+        meta, state_meta, slot_ts = tuple(rest[:4]), tuple(rest[4 : 4 + len(states)]), rest[4 + len(states) :]
+        owners = list(state_slots) or [-1] * len(seqs)
+        slices = [SeqSlice(start=a, n=n, offset=o, slots=t, state_slot=k)
+                  for (a, n, o), t, k in zip(spans, slot_ts, owners, strict=True)]
+        return cls(ids_t, pos_t, slices, rows_t, block_size, meta, state_meta or None)
+
+    @cached_property
+    def recurrent(self) -> RecurrentInputs:
+        if self.state_meta is None:
+            raise ValueError("a hybrid model's step needs every sequence's state slot (StepPlan.state_slots)")
+        slots, has_state = self.state_meta
+        query_start = self.meta[3] if self.meta is not None else torch.tensor(
+            [*(s.offset for s in self.seqs), self.input_ids.numel()], dtype=torch.int64, device=self.input_ids.device)
+        return RecurrentInputs(slots.to(torch.int32), has_state.to(torch.int32), query_start.to(torch.int32),
+                               max(s.n for s in self.seqs))
 
     @cached_property
     def attention(self) -> AttentionInputs:

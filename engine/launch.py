@@ -84,7 +84,8 @@ def _layer_bytes(gguf: GGUFFile, arch: ArchConfig) -> list[int]:
 
 
 def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
-    """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix)."""
+    """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix); a hybrid
+    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences."""
     layers = launch.stages[stage]
     sizes = _layer_bytes(gguf, arch)
     n = sum(sizes[i] for i in layers)
@@ -94,8 +95,12 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     if stage == launch.topo.pp - 1:
         n += gguf.info("output.weight").n_bytes if "output.weight" in gguf else (embd if stage else 0)
     itemsize = torch.empty(0, dtype=kv_cache_dtype(launch.config.cache.kv_dtype, torch.device(launch.device_type))).element_size()
-    kv = 2 * len(layers) * launch.num_slots * kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp) * arch.head_dim * itemsize
-    return n // launch.topo.tp + kv
+    hy = arch.hybrid
+    kv_layers = len(layers) if hy is None else sum(not hy.recurrent[i] for i in layers if i < hy.trunk)
+    kv_heads = kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp)
+    kv = 2 * kv_layers * launch.num_slots * kv_heads * arch.head_dim * itemsize
+    state = 0 if hy is None else hy.state_bytes(layers) * launch.config.scheduler.max_num_seqs
+    return n // launch.topo.tp + kv + state
 
 
 def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[int, str]:
@@ -121,7 +126,9 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
     sliced = {"attn_output": "attn_output", "ffn_down": "ffn_down_exps" if arch.moe is not None else "ffn_down"}
     if arch.moe is not None and arch.moe.shared_ff:
         sliced["ffn_down_shexp"] = "ffn_down_shexp"
-    block = {k: max(spec_for(gguf.info(f"blk.{i}.{name}.weight").type_id).block_size for i in range(arch.n_layers))
+    # (a hybrid model's linear-attention layers have no attn_output)
+    block = {k: max((spec_for(gguf.info(t).type_id).block_size
+                     for t in (f"blk.{i}.{name}.weight" for i in range(arch.n_layers)) if t in gguf), default=1)
              for k, name in sliced.items()}
     check_model_splits(arch, topo, block, str(gguf.path), config.kernels.shexp_split)
     embd = gguf.info("token_embd.weight").n_bytes
@@ -139,14 +146,20 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
         log.warning("%d ranks on %d GPU(s): ranks share GPUs and talk over gloo (for testing; slow)",
                     topo.world_size, torch.cuda.device_count())
         launch = dataclasses.replace(launch, shared_gpus=True)
+    if arch.hybrid is not None and config.speculative.enabled:
+        raise ConfigError(f"{gguf.path}: --spec-type {config.speculative.type} is not supported yet for the hybrid "
+                          f"linear-attention architecture {arch.architecture}: a rejected guess would have to roll "
+                          f"back each sequence's recurrent state, not only its KV length")
     limit, source = _device_memory(config, device.type, topo.world_size)
+    state = f" and recurrent state for {config.scheduler.max_num_seqs} sequences" if arch.hybrid is not None else ""
     if limit:
         for stage in range(topo.pp):
             need = _rank_bytes(gguf, arch, launch, stage)
             if need > limit:
                 raise ConfigError(
                     f"{gguf.path}: {topo.describe()} needs {need / 2**30:.2f} GiB on each device of stage {stage} "
-                    f"(weights and KV cache for {num_slots} tokens), but {source} gives {limit / 2**30:.2f} GiB: "
+                    f"(weights and KV cache for {num_slots} tokens{state}), but {source} gives "
+                    f"{limit / 2**30:.2f} GiB: "
                     f"use more devices, a smaller context (-c) or fewer sequences (-np)"
                 )
     return launch

@@ -83,7 +83,9 @@ class ModelRunner:
         # its last token and every guess
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
         every = [w or bool(s.drafts) for s, w in zip(batch.seqs, wants_prompt, strict=True)]
-        plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size)
+        states = tuple(s.request.state_slot for s in batch.seqs)  # hybrid models: each one's recurrent-state slot
+        plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size,
+                        () if None in states else states)
         return StepInFlight(self, batch, wants_prompt, self.executor.forward(plan, input_ids))
 
 

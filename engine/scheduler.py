@@ -6,6 +6,10 @@ KV memory is the paged block pool (engine/kv_cache.py). A new request first take
 its longest known prefix; when a step cannot get blocks, the most recently admitted running request is
 preempted (its blocks released, its tokens recomputed later: preemption by recompute) and put back at
 the front of the queue, so arrival order is kept.
+
+Hybrid models (`states`, engine/state_pool.py): a request is admitted only with a recurrent-state slot as
+well as its first blocks, and gives both back when it is preempted, finished or aborted; prefix caching is
+off for them (state_pool.py says why), so a request always starts at token 0 and its chunks carry the state.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
 from vegaserve.engine.request import GenerateRequest, SamplingParams
+from vegaserve.engine.state_pool import StatePool
 
 
 class Status(enum.Enum):
@@ -39,6 +44,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose k/v are in the cache
     table: BlockTable | None = None
+    state_slot: int | None = None  # its recurrent-state slot while running (hybrid models)
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     state: object = None  # output-side state (detokenizer, stop matcher), owned by the engine core
@@ -98,8 +104,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, token_budget: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, token_budget: int, states: StatePool | None = None) -> None:
         self.pool = pool
+        self.states = states
+        self.prefix_caching = states is None
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.waiting: deque[Request] = deque()
@@ -164,14 +172,17 @@ class Scheduler:
             req = self.waiting[0]
             table = BlockTable(self.pool)
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
-            if req.params.prompt_logprobs is None:
+            if req.params.prompt_logprobs is None and self.prefix_caching:
                 req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids))
-            if table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
+            no_state = self.states is not None and self.states.num_free == 0
+            if no_state or table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
                 table.release()
                 req.num_computed = 0
                 return
             self.waiting.popleft()
             req.table = table
+            if self.states is not None:
+                req.state_slot = self.states.allocate()
             req.status = Status.RUNNING
             self.running.append(req)
 
@@ -193,18 +204,24 @@ class Scheduler:
         self.running.remove(req)
         req.table.release()
         req.table = None
+        self._free_state(req)
         req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def _free_state(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
+
     def computed(self, req: Request) -> None:
         """After a step: register the request's newly filled blocks for prefix caching."""
-        if req.table is not None:
+        if req.table is not None and self.prefix_caching:
             self.pool.cache_full_blocks(req.all_ids, req.table, req.num_computed)
 
     def finish(self, req: Request) -> None:
-        """Release the request's blocks (finished, stopped or aborted); safe to call twice."""
+        """Release the request's blocks and state slot (finished, stopped or aborted); safe to call twice."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:
@@ -212,4 +229,5 @@ class Scheduler:
         if req.table is not None:
             req.table.release()
             req.table = None
+        self._free_state(req)
         req.status = Status.FINISHED

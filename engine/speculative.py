@@ -126,6 +126,8 @@ class DraftModelProposer:
         gguf = GGUFFile(path, config.model.load_mode)
         check_same_vocabulary(list(gguf.metadata.get("tokenizer.ggml.tokens", [])), target_tokens, path)
         arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
+        if arch.hybrid is not None:
+            raise ConfigError(f"{path}: a hybrid linear-attention draft model ({arch.architecture}) is not supported yet")
         # canonical blocks, as DESIGN.md has drafts load: no repack pass, the canonical-layout kernels
         draft_config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, path=path, no_repack=True), parallel=ParallelConfig(n_devices=1),

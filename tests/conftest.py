@@ -49,6 +49,12 @@ def gguf_factory() -> ModuleType:
 
 
 @pytest.fixture(scope="session")
+def converted() -> ModuleType:
+    """Checks against the tiny converted models of tests/data/moe and tests/data/hybrid."""
+    return load_test_module("converted_models")
+
+
+@pytest.fixture(scope="session")
 def smollm2_core():
     """The embedded model in an EngineCore with 4 slots of 1024 tokens (f32 reference path, CPU)."""
     from vegaserve.engine.config import EngineConfig

@@ -90,6 +90,9 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
         raise ConfigError(f"{path}: {topo.pp} pipeline stages but the model has only {arch.n_layers} layers")
     if tp == 1:
         return
+    if arch.hybrid is not None:  # a lane would need its share of the DeltaNet heads and convolution channels
+        raise ConfigError(f"{path}: tensor parallelism (-sm tensor) for the hybrid linear-attention architecture "
+                          f"{arch.architecture} is not supported yet; -sm layer is")
     if arch.n_heads % tp:
         raise ConfigError(f"{path}: {arch.n_heads} attention heads do not divide over {tp} tensor-parallel devices")
     if arch.n_kv_heads % tp and tp % arch.n_kv_heads:

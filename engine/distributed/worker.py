@@ -40,9 +40,10 @@ def micro_batches(plan: StepPlan, n: int) -> list[StepPlan]:
         while end < len(sizes) - (n - g) and acc + sizes[end] <= total * g / n:
             acc += sizes[end]
             end += 1
-        groups.append(StepPlan(plan.seqs[start:end], plan.all_logits[start:end], plan.block_size))
+        groups.append(StepPlan(plan.seqs[start:end], plan.all_logits[start:end], plan.block_size,
+                               plan.state_slots[start:end]))
         start = end
-    groups.append(StepPlan(plan.seqs[start:], plan.all_logits[start:], plan.block_size))
+    groups.append(StepPlan(plan.seqs[start:], plan.all_logits[start:], plan.block_size, plan.state_slots[start:]))
     return groups
 
 
@@ -51,15 +52,19 @@ def logits_rows(plan: StepPlan) -> int:
 
 
 class StageWorker:
-    """The model share and KV cache of one rank."""
+    """The model share and KV cache of one rank (a hybrid model's: its attention layers' KV, and the
+    recurrent state of its linear-attention layers for `state_slots` sequences, plus a spare slot where the
+    KV cache has spare slots: a decode graph's padded rows)."""
 
     def __init__(self, model: LlamaModel, comm: Communicator, num_slots: int, device: torch.device,
-                 n_copies: int | None = None, kv_dtype: torch.dtype = torch.float32, spare_slots: int = 0) -> None:
+                 n_copies: int | None = None, kv_dtype: torch.dtype = torch.float32, spare_slots: int = 0,
+                 state_slots: int = 0) -> None:
         self.model = model
         self.comm = comm
         self.device = device
         cfg = model.cfg
-        self.cache = KVCache(len(model.layers), num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
+        self.cache = KVCache(model.n_cache_layers, num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
+        self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0))
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
         self.staging = HostStaging(device)
         self.n_copies = n_copies or comm.topo.pp
@@ -71,13 +76,14 @@ class StageWorker:
         """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere.
         input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
-            return self.graphs.run(plan.seqs, input_ids)
+            return self.graphs.run(plan.seqs, input_ids, plan.state_slots)
         comm, model = self.comm, self.model
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
-            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging)
+            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging,
+                                    g.state_slots)
             if input_ids is not None:
                 fb.input_ids = input_ids
             if comm.is_first_stage:

@@ -36,7 +36,9 @@ def kv_cache_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 class KVCache:
     """k/v [layers, num_slots + spare, kv_heads, head_dim]. `spare` slots past num_slots belong to no
-    block of the pool: padded rows of a replayed decode graph write there (engine/cuda_graphs.py)."""
+    block of the pool: padded rows of a replayed decode graph write there (engine/cuda_graphs.py).
+    A hybrid model's cache covers its attention layers only; `state` holds its linear-attention layers'
+    recurrent state per sequence slot (engine/layers/delta_net.py RecurrentState), else None."""
 
     def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, spare: int = 0) -> None:
@@ -44,10 +46,11 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
+        self.state = None
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * 2 + (self.state.nbytes if self.state is not None else 0)
 
 
 def kv_store(v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, first_k: int):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vegaserve.engine.gguf_file import ModelLoadError
+from vegaserve.engine.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, hybrid_config_from_gguf
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
-    n_layers: int
+    n_layers: int  # blocks in the file ({arch}.block_count): a hybrid model's trailing NextN blocks too
     hidden_size: int
     n_heads: int
     n_kv_heads: int
@@ -68,6 +69,7 @@ class ArchConfig:
     attn_sinks: bool = False  # one learned logit per head in every softmax's denominator (gpt-oss)
     sliding_window: int = 0  # > 0: the layers swa_layers(i) says attend to the last this many keys only
     swa_pattern: int = 0  # layer i slides where i % swa_pattern < swa_pattern - 1 (llama.cpp's rule)
+    hybrid: HybridConfig | None = None  # gated DeltaNet layers beside gated full attention (models/hybrid.py)
 
     @property
     def q_size(self) -> int:
@@ -91,6 +93,8 @@ _MOE_RULES: dict[str, dict[str, Any]] = {
     "qwen3moe": {"gating": "softmax", "norm_topk": True},
     "qwen2moe": {"gating": "softmax", "norm_topk": False},
     "gpt-oss": {"gating": "topk_softmax", "norm_topk": False, "act": "swiglu_oai", "biases": True},
+    "qwen35moe": {"gating": "softmax", "norm_topk": True},
+    "qwen3next": {"gating": "softmax", "norm_topk": True},
 }
 _SWA_PATTERN = {"gpt-oss": 2}
 _YARN_UNTRUNCATED = {"gpt-oss"}  # its reference implementation ramps between the exact correction dimensions
@@ -154,7 +158,8 @@ def arch_config_from_gguf(md: dict[str, Any], tensor_names: set[str], path: str)
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rope_scaling=scaling,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        # a hybrid model's first layer may be linear attention: any layer's q norm says
+        qk_norm=any(n.startswith("blk.") and n.endswith(".attn_q_norm.weight") for n in tensor_names),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         tied_embeddings="output.weight" not in tensor_names,
         moe=moe,
@@ -162,4 +167,5 @@ def arch_config_from_gguf(md: dict[str, Any], tensor_names: set[str], path: str)
         attn_sinks="blk.0.attn_sinks.weight" in tensor_names,
         sliding_window=int(get("attention.sliding_window", 0)),
         swa_pattern=_SWA_PATTERN.get(arch, 0),
+        hybrid=hybrid_config_from_gguf(arch, get, md, tensor_names, path) if arch in HYBRID_ARCHITECTURES else None,
     )

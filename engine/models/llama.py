@@ -146,13 +146,26 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions
         self.comm = comm = comm or LocalCommunicator()
         self.layer_range = range(cfg.n_layers) if layers is None else layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method, comm, j, shared_split)
-                                    for j, i in enumerate(self.layer_range))
+        self.layers = self._build_layers(shared_split)
         self.vocab0, vocab_rows, self.vocab_width = vocab_slice(cfg.vocab_size, comm.tp, comm.lane)
         self.embed = QuantEmbedding(vocab_rows, cfg.hidden_size) if comm.is_first_stage else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if comm.is_last_stage else None
         self.lm_head = QuantLinear(cfg.hidden_size, [vocab_rows], method) if comm.is_last_stage else None
         self.rope: RotaryEmbedding | None = None
+
+    def _build_layers(self, shared_split: bool) -> nn.ModuleList:
+        """This rank's decoder layers, in order (models/hybrid.py builds its two kinds)."""
+        return nn.ModuleList(DecoderLayer(self.cfg, i, self.method, self.comm, j, shared_split)
+                             for j, i in enumerate(self.layer_range))
+
+    @property
+    def n_cache_layers(self) -> int:
+        """Layers of this rank that keep k/v in the paged cache."""
+        return len(self.layers)
+
+    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0):
+        """The per-sequence state of a hybrid model's linear-attention layers (models/hybrid.py); none here."""
+        return None
 
     @property
     def kv_heads(self) -> int:

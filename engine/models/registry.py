@@ -10,6 +10,7 @@ from vegaserve.engine.distributed.communicator import Communicator
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
 from vegaserve.engine.layers.linear import QuantMethod, ReferenceMethod, TritonMethod
 from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_gguf
+from vegaserve.engine.models.hybrid import HybridModel
 from vegaserve.engine.models.llama import LlamaModel
 from vegaserve.engine.models.weights import WeightLoader
 
@@ -20,6 +21,9 @@ ARCHITECTURES: dict[str, type[LlamaModel]] = {
     "qwen3moe": LlamaModel,
     "qwen2moe": LlamaModel,
     "gpt-oss": LlamaModel,
+    "qwen35": HybridModel,
+    "qwen35moe": HybridModel,
+    "qwen3next": HybridModel,
 }
 
 

@@ -12,11 +12,8 @@ Q8_0 path also quantizes the activations, which alone moves argmaxes of a tiny r
 
 from __future__ import annotations
 
-import base64
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,115 +25,52 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "moe"
 MODELS = ["qwen3moe", "qwen2moe", "gpt-oss"]
 
 
-def _reference(name: str) -> dict:
-    return json.loads((DATA / f"{name}.json").read_text())
-
-
-def _floats(text: str, width: int) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.float32).copy()).view(-1, width)
-
-
-def _core(name: str, variant: str = "f32") -> EngineCore:
-    cfg = {"model": {"path": str(DATA / f"{name}-{variant}.gguf")}, "cache": {"context_size": 256},
-           "scheduler": {"max_num_seqs": 4}, "device": "cpu"}
-    return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.fixture(scope="module", params=MODELS)
-def model(request) -> tuple[str, dict, EngineCore]:
-    return request.param, _reference(request.param), _core(request.param)
+def model(request, converted) -> tuple[str, dict, EngineCore]:
+    return request.param, converted.reference(DATA, request.param), converted.core(DATA, request.param)
 
 
-def test_logits_match_transformers_on_the_f32_gguf(model):
+def test_logits_match_transformers_on_the_f32_gguf(model, converted):
+    converted.check_logits_match_transformers(model[2], model[1], model[0])
+
+
+def test_greedy_tokens_equal_transformers(model, converted):
+    converted.check_greedy_tokens(model[2], model[1], model[0])
+
+
+def test_teacher_forced_argmax_agrees_with_llama_cpp(model, converted):
     name, ref, core = model
-    vocab = ref["hf_config"]["vocab_size"]
-    for p in ref["prompts"]:
-        ids = p["prompt_ids"] + p["greedy_ids"]
-        logits = core.forward_logits(ids).float()
-        t = p["transformers"]
-        if "prompt_logits_b64" in t:
-            full = _floats(t["prompt_logits_b64"], vocab)
-            for row in range(full.shape[0]):
-                assert _rel(logits[row], full[row]) < 1e-4, (name, row)
-        assert _rel(logits[-1], _floats(t["last_logits_b64"], vocab)[0]) < 1e-4
-        for row, top in enumerate(t["top8"]):
-            top_ids = torch.tensor([i for i, _ in top])
-            assert _rel(logits[row, top_ids], torch.tensor([v for _, v in top])) < 1e-4, (name, row)
-
-
-def test_greedy_tokens_equal_transformers(model):
-    name, ref, core = model
-    for p in ref["prompts"]:
-        req = GenerateRequest(list(p["prompt_ids"]), SamplingParams(max_tokens=len(p["greedy_ids"]), temperature=0.0,
-                                                                       ignore_eos=True))
-        got = [t for out in core.generate_sync(req) for t in out.token_ids]
-        assert got == p["greedy_ids"], name
-
-
-def test_teacher_forced_argmax_agrees_with_llama_cpp(model):
-    name, ref, core = model
-    agree = counted = 0
-    for p in ref["prompts"]:
-        logits = core.forward_logits(p["prompt_ids"] + p["greedy_ids"])
-        lc = p["llama_cpp_f32"]
-        for row, (argmax, margin) in enumerate(zip(lc["argmax"], lc["margin"], strict=True)):
-            if margin > 0.1:
-                counted += 1
-                agree += int(int(logits[row].argmax()) == argmax)
+    agree, counted = converted.llama_cpp_argmax_agreement(core, ref, "llama_cpp_f32")
     assert counted > 50 and agree >= 0.99 * counted, (name, agree, counted)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_q8_0_gguf_matches_transformers_on_the_same_weights_dequantized(name):
-    ref = _reference(name)
-    core = _core(name, "q8_0")
+def test_q8_0_gguf_matches_transformers_on_the_same_weights_dequantized(name, converted):
+    ref = converted.reference(DATA, name)
+    core = converted.core(DATA, name, "q8_0")
     vocab = ref["hf_config"]["vocab_size"]
     for p in ref["prompts"]:
         logits = core.forward_logits(p["prompt_ids"] + p["greedy_ids"]).float()
         t = p["transformers_dequantized_q8_0"]
-        assert _rel(logits[-1], _floats(t["last_logits_b64"], vocab)[0]) < 1e-4
-        for row, top in enumerate(t["top8"]):
-            top_ids = torch.tensor([i for i, _ in top])
-            assert _rel(logits[row, top_ids], torch.tensor([v for _, v in top])) < 1e-4, (name, row)
+        assert converted.rel(logits[-1], converted.floats(t["last_logits_b64"], vocab)[0]) < 1e-4
+        converted.check_top8(logits, t["top8"], 1e-4, name)
 
 
-def test_a_batch_of_sequences_equals_each_alone(model):
+def test_a_batch_of_sequences_equals_each_alone(model, converted):
     """Several sequences in one step route their tokens independently: each sequence's logits equal its
     own run (the experts' grouping of tokens from different sequences changes nothing)."""
-    name, ref, core = model
-    prompts = [p["prompt_ids"] for p in ref["prompts"]]
-    alone = [core.forward_logits(ids)[-1] for ids in prompts]
-    reqs = [GenerateRequest(list(ids), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5))
-            for ids in prompts]
-    for r in reqs:
-        core.add_request(r)
-    firsts: dict[str, list] = {}
-    batch_sizes = []
-    while core.has_work:
-        batch_sizes.append(len(core.requests))
-        for out in core.step():
-            firsts.setdefault(out.request_id, out.logprobs)
-    assert max(batch_sizes) == len(reqs)  # they did share steps
-    for r, solo in zip(reqs, alone, strict=True):
-        top = torch.log_softmax(solo.double(), -1).topk(5)
-        got = firsts[r.request_id][0]
-        assert [i for i, _ in got.top] == top.indices.tolist()
-        assert max(abs(lp - float(v)) for (_, lp), v in zip(got.top, top.values, strict=True)) < 1e-4
+    converted.check_batch_equals_each_alone(model[2], [p["prompt_ids"] for p in model[1]["prompts"]])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
 @pytest.mark.parametrize("name", MODELS)
-def test_the_gpu_path_agrees_with_transformers(name):
+def test_the_gpu_path_agrees_with_transformers(name, converted):
     """On a GPU (expert mat-vecs for the decode rows, the grouped GEMM over bf16 experts and bf16 dense
     GEMMs for the prompt, the attention kernels with gpt-oss's window and sinks; an f32 KV cache): every
     teacher-forced argmax where transformers' top-1/top-2 margin exceeds 0.1, and the last row's logits within
     the bf16 prompt GEMMs' rounding (3e-2 relative)."""
-    ref = _reference(name)
+    ref = converted.reference(DATA, name)
     cfg = {"model": {"path": str(DATA / f"{name}-f32.gguf")}, "cache": {"context_size": 256, "kv_dtype": "float32"},
            "scheduler": {"max_num_seqs": 4}, "device": "cuda"}
     core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
@@ -148,7 +82,7 @@ def test_the_gpu_path_agrees_with_transformers(name):
             if top[0][1] - top[1][1] > 0.1:
                 counted += 1
                 agree += int(int(logits[row].argmax()) == top[0][0])
-        assert _rel(logits[-1], _floats(p["transformers"]["last_logits_b64"], vocab)[0]) < 3e-2
+        assert converted.rel(logits[-1], converted.floats(p["transformers"]["last_logits_b64"], vocab)[0]) < 3e-2
         # decode steps through the expert mat-vecs (and the decode graphs): the greedy tokens
         req = GenerateRequest(list(p["prompt_ids"]), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         got = [t for out in core.generate_sync(req) for t in out.token_ids]

@@ -1,0 +1,184 @@
+"""Hybrid linear-attention decoders: qwen35 (dense feed-forward), qwen35moe and qwen3next (mixture of experts
+with a shared expert). Most layers are gated DeltaNet (engine/layers/delta_net.py), the rest gated full
+attention; which is which comes from the GGUF (models/hybrid_config.py).
+
+    h = embed(ids)
+    for each layer:  h += mixer(norm(h))       DeltaNet over the sequence's recurrent state, or attention:
+                                               [q | gate] per head, k, v = x W^T; q, k = rmsnorm per head,
+                                               partial rotary on both; o = attn(q, k, v) * sigmoid(gate)
+                     h += ffn(norm(h))         dense (layers/mlp.py) or experts + gated shared expert (layers/moe.py)
+    logits = lm_head(norm(h))
+
+The norms' weights are used as stored: the converter already wrote Qwen3-Next's (1 + w). Qwen3.5's
+interleaved M-RoPE sections are not read: a text token has the same position in every section, where it is
+the plain rotation.
+
+The NextN (MTP) blocks the file may end with are loaded and kept on the model (`nextn`) for speculative
+decoding; the trunk does not run them. Tensor parallelism is not supported yet (refused at planning,
+distributed/topology.py): a lane would need its share of the heads and of the convolution's channels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.layers.attention import KVCache, cached_attention, kv_store
+from vegaserve.engine.layers.delta_net import GatedDeltaNet, RecurrentState
+from vegaserve.engine.layers.embedding import QuantEmbedding
+from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
+from vegaserve.engine.layers.mlp import DenseMLP
+from vegaserve.engine.layers.moe import MoE
+from vegaserve.engine.layers.norm import Q8_1, RMSNorm
+from vegaserve.engine.layers.rotary import RotaryEmbedding
+from vegaserve.engine.models.arch_config import ArchConfig
+from vegaserve.engine.models.llama import LlamaModel
+from vegaserve.engine.models.weights import WeightLoader
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated per element by sigmoid of a second half of each q head's rows."""
+
+    def __init__(self, cfg: ArchConfig, method: QuantMethod, cache_layer: int) -> None:
+        super().__init__()
+        self.cache_layer = cache_layer
+        self.n_heads, self.n_kv, self.head_dim, self.hidden = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
+        q, kv = cfg.q_size, cfg.kv_size
+        self.split = [2 * q, kv, kv]  # q rows: per head, D of query then D of gate
+        self.qkv = QuantLinear(cfg.hidden_size, self.split, method)
+        self.o_proj = QuantLinear(q, [cfg.hidden_size], method)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def load(self, w: WeightLoader, p: str) -> None:
+        self.qkv.load([w.source(p + f"attn_{n}.weight", (rows, self.hidden)) for n, rows in zip("qkv", self.split,
+                                                                                                 strict=True)], w.device)
+        self.o_proj.load([w.source(p + "attn_output.weight", (self.hidden, self.split[0] // 2))], w.device)
+        self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (self.head_dim,))
+        self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (self.head_dim,))
+
+    def wants_q8_1(self, m: int) -> bool:
+        return self.qkv.wants_q8_1(m)
+
+    def forward(self, x: torch.Tensor, xq: Q8_1 | None, rope: RotaryEmbedding, cache: KVCache,
+                batch: ForwardBatch) -> torch.Tensor:
+        T, H, D = x.shape[0], self.n_heads, self.head_dim
+        qg, k, v = self.qkv(x, xq).split(self.split, dim=-1)
+        qg = qg.view(T, H, 2, D)
+        gate = qg[:, :, 1].reshape(T, H * D)
+        q = self.q_norm(qg[:, :, 0])
+        k = self.k_norm(k.reshape(T, self.n_kv, D))
+        v = v.reshape(T, self.n_kv, D)
+        store = kv_store(v, self.cache_layer, cache, batch, 0)
+        q, k = rope(q, batch.positions), rope(k, batch.positions, store)
+        # the gate comes between the attention and o_proj: no q8_1 copy from the attention kernel
+        a, _ = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
+        return self.o_proj(a.reshape(T, H * D) * torch.sigmoid(gate.float()).to(a.dtype))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, cache_layer: int, state_layer: int,
+                 shared_split: bool = True) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = cfg.hybrid.recurrent[index]
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mixer: GatedDeltaNet | GatedAttention = (
+            GatedDeltaNet(cfg.hidden_size, cfg.hybrid, cfg.rms_eps, method, state_layer) if self.linear
+            else GatedAttention(cfg, method, cache_layer))
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.ffn: DenseMLP | MoE = (MoE(cfg.hidden_size, cfg.moe, method, shared_split=shared_split) if cfg.moe is not None
+                                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, method))
+
+    def load(self, w: WeightLoader) -> None:
+        p = f"blk.{self.index}."
+        self.attn_norm.weight.data = w.vector(p + "attn_norm.weight", self.attn_norm.weight.shape)
+        self.ffn_norm.weight.data = w.vector(p + "post_attention_norm.weight", self.ffn_norm.weight.shape)
+        self.mixer.load(w, p)
+        self.ffn.load(w, p)
+
+    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) as models/llama.py's DecoderLayer: the residual add is the next norm's launch."""
+        T = h.shape[0]
+        want = self.mixer.wants_q8_1(T)
+        if delta is None:
+            x, xq = self.attn_norm.forward_q8_1(h, want)
+        else:
+            h, x, xq = self.attn_norm.add_forward(h, delta, want)
+        if self.linear:
+            out = self.mixer(x, xq, cache.state, batch)
+        else:
+            out = self.mixer(x, xq, rope, cache, batch)
+        h, x, xq = self.ffn_norm.add_forward(h, out, self.ffn.wants_q8_1(T))
+        return h, self.ffn(x, xq)
+
+
+class NextNHead(nn.Module):
+    """One MTP block, loaded for speculative decoding and not run yet: e = enorm(embed(next token)),
+    x = hnorm(the trunk's final hidden state), h = eh_proj([e; x]), then a full-attention block, then
+    shared_head_norm (or the model's output norm) and the head (its own, or the model's)."""
+
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, shared_split: bool = True) -> None:
+        super().__init__()
+        self.index, self.cfg = index, cfg
+        hidden = cfg.hidden_size
+        self.block = HybridLayer(cfg, index, method, -1, -1, shared_split)
+        self.eh_proj = QuantLinear(2 * hidden, [hidden], method)
+        self.enorm = RMSNorm(hidden, cfg.rms_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_eps)
+        self.head_norm: RMSNorm | None = None  # None: the model's output norm
+        self.embed: QuantEmbedding | None = None  # None: the model's token embedding
+        self.head: QuantLinear | None = None  # None: the model's LM head
+        self.method = method
+
+    def load(self, w: WeightLoader) -> None:
+        p, hidden, vocab = f"blk.{self.index}.nextn.", self.cfg.hidden_size, self.cfg.vocab_size
+        self.block.load(w)
+        self.eh_proj.load([w.source(p + "eh_proj.weight", (hidden, 2 * hidden))], w.device)
+        self.enorm.weight.data = w.vector(p + "enorm.weight", (hidden,))
+        self.hnorm.weight.data = w.vector(p + "hnorm.weight", (hidden,))
+        if (p + "shared_head_norm.weight") in w:
+            self.head_norm = RMSNorm(hidden, self.cfg.rms_eps)
+            self.head_norm.weight.data = w.vector(p + "shared_head_norm.weight", (hidden,))
+        if (p + "embed_tokens.weight") in w:
+            self.embed = QuantEmbedding(vocab, hidden)
+            self.embed.load(w.source(p + "embed_tokens.weight", (vocab, hidden)), w.device)
+        if (p + "shared_head_head.weight") in w:
+            self.head = QuantLinear(hidden, [vocab], self.method)
+            self.head.load([w.source(p + "shared_head_head.weight", (vocab, hidden))], w.device)
+
+
+class HybridModel(LlamaModel):
+    def _build_layers(self, shared_split: bool) -> nn.ModuleList:
+        hy, layers = self.cfg.hybrid, []
+        cache_layer = state_layer = 0
+        for i in self.layer_range:
+            if i >= hy.trunk:
+                continue
+            layers.append(HybridLayer(self.cfg, i, self.method, cache_layer, state_layer, shared_split))
+            cache_layer += not hy.recurrent[i]
+            state_layer += hy.recurrent[i]
+        self.nextn = nn.ModuleList(NextNHead(self.cfg, i, self.method, shared_split)
+                                   for i in self.layer_range if i >= hy.trunk)
+        return nn.ModuleList(layers)
+
+    @property
+    def n_cache_layers(self) -> int:
+        return sum(not layer.linear for layer in self.layers)
+
+    @property
+    def n_state_layers(self) -> int:
+        return sum(layer.linear for layer in self.layers)
+
+    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0) -> RecurrentState:
+        return RecurrentState(self.n_state_layers, slots, self.cfg.hybrid, device, spare)
+
+    def load(self, w: WeightLoader) -> None:
+        super().load(w)
+        for head in self.nextn:
+            head.load(w)

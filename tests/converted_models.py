@@ -1,0 +1,106 @@
+"""Checks of an architecture against the tiny random models in tests/data/moe and tests/data/hybrid: transformers
+models converted to GGUF by llama.cpp's convert_hf_to_gguf.py, whose JSON references hold transformers' logits
+and llama.cpp's teacher-forced results (benchmarks/moe_references.py, benchmarks/hybrid_references.py). Tests
+reach this module through conftest's `converted` fixture.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.request import GenerateRequest, SamplingParams
+
+
+def reference(data: Path, name: str) -> dict:
+    return json.loads((data / f"{name}.json").read_text())
+
+
+def floats(text: str, width: int) -> torch.Tensor:
+    """A base64 block of f32 logits as rows of `width`."""
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.float32).copy()).view(-1, width)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def core(data: Path, name: str, variant: str = "f32", **sections) -> EngineCore:
+    """`{name}-{variant}.gguf` on the CPU: 4 sequences of 256 tokens unless `sections` say otherwise."""
+    cfg = {"model": {"path": str(data / f"{name}-{variant}.gguf")}, "cache": {"context_size": 256},
+           "scheduler": {"max_num_seqs": 4}, "device": "cpu"}
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+
+
+def check_top8(logits: torch.Tensor, top8: list, tol: float, name: str) -> None:
+    """Each row's logits at the reference's top 8 within `tol` relative."""
+    for row, top in enumerate(top8):
+        ids = torch.tensor([i for i, _ in top])
+        assert rel(logits[row, ids], torch.tensor([v for _, v in top])) < tol, (name, row)
+
+
+def check_logits_match_transformers(engine: EngineCore, ref: dict, name: str, tol: float = 1e-4) -> None:
+    """Teacher-forced over prompt + greedy continuation: every prompt row where the reference keeps them, the
+    last row, and every row's top 8."""
+    vocab = ref["hf_config"]["vocab_size"]
+    for p in ref["prompts"]:
+        logits = engine.forward_logits(p["prompt_ids"] + p["greedy_ids"]).float()
+        t = p["transformers"]
+        if "prompt_logits_b64" in t:
+            full = floats(t["prompt_logits_b64"], vocab)
+            for row in range(full.shape[0]):
+                assert rel(logits[row], full[row]) < tol, (name, row)
+        assert rel(logits[-1], floats(t["last_logits_b64"], vocab)[0]) < tol, name
+        check_top8(logits, t["top8"], tol, name)
+
+
+def check_greedy_tokens(engine: EngineCore, ref: dict, name: str) -> None:
+    """Each prompt decoded greedily, one token a step, gives transformers' continuation."""
+    for p in ref["prompts"]:
+        params = SamplingParams(max_tokens=len(p["greedy_ids"]), temperature=0.0, ignore_eos=True)
+        got = [t for out in engine.generate_sync(GenerateRequest(list(p["prompt_ids"]), params)) for t in out.token_ids]
+        assert got == p["greedy_ids"], name
+
+
+def llama_cpp_argmax_agreement(engine: EngineCore, ref: dict, key: str) -> tuple[int, int]:
+    """(rows where our argmax is llama.cpp's, rows counted): over the rows of every prompt where llama.cpp's
+    top-1/top-2 margin exceeds 0.1. `key`: which llama.cpp run of the reference (llama_cpp_f32, ...)."""
+    agree = counted = 0
+    for p in ref["prompts"]:
+        logits = engine.forward_logits(p["prompt_ids"] + p["greedy_ids"])
+        lc = p[key]
+        for row, (argmax, margin) in enumerate(zip(lc["argmax"], lc["margin"], strict=True)):
+            if margin > 0.1:
+                counted += 1
+                agree += int(int(logits[row].argmax()) == argmax)
+    return agree, counted
+
+
+def check_batch_equals_each_alone(engine: EngineCore, prompts: list[list[int]]) -> None:
+    """The prompts admitted together, prefilled in one step and decoded side by side: each one's first sampled
+    distribution (top-5 logprobs) equals its own run's."""
+    alone = [engine.forward_logits(ids)[-1] for ids in prompts]
+    reqs = [GenerateRequest(list(ids), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5))
+            for ids in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    firsts: dict[str, list] = {}
+    batch_sizes = []
+    while engine.has_work:
+        batch_sizes.append(len(engine.requests))
+        for out in engine.step():
+            firsts.setdefault(out.request_id, out.logprobs)
+    assert max(batch_sizes) == len(reqs)  # they did share steps
+    for r, solo in zip(reqs, alone, strict=True):
+        top = torch.log_softmax(solo.double(), -1).topk(5)
+        got = firsts[r.request_id][0]
+        assert [i for i, _ in got.top] == top.indices.tolist()
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(got.top, top.values, strict=True)) < 1e-4

@@ -1,0 +1,339 @@
+"""Recurrent state in the engine (hybrid models): each running sequence holds a state slot beside its KV
+blocks; admission needs one, preemption, abort and finish give it back; a prompt's chunks carry the state
+from step to step; sequences batched together (prompt chunks beside decodes) each see only their own state;
+the slot reaches every rank of a pipeline; a decode graph's static batch stages it. Also what is refused:
+speculative decoding and tensor parallelism with a hybrid model, and files whose layer pattern or state sizes
+disagree (named by layer). Models: the converted tiny ones of tests/data/hybrid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from vegaserve.engine.config import ConfigError, EngineConfig
+from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
+from vegaserve.engine.kv_cache import BlockPool
+from vegaserve.engine.request import GenerateRequest, SamplingParams
+from vegaserve.engine.scheduler import Request, Scheduler, Status
+from vegaserve.engine.state_pool import StatePool
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid"
+
+
+def _req(rid: str, n: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+# -- the pool and the scheduler (pure logic) ---------------------------------------------------------------
+
+def test_the_state_pool_hands_each_slot_out_once_and_refuses_a_double_free():
+    pool = StatePool(2)
+    a, b = pool.allocate(), pool.allocate()
+    assert {a, b} == {0, 1} and pool.num_free == 0
+    with pytest.raises(RuntimeError, match="all 2 recurrent-state slots are held"):
+        pool.allocate()
+    pool.free(a)
+    with pytest.raises(ValueError, match=f"state slot {a} is not held"):
+        pool.free(a)
+    assert pool.allocate() == a
+
+
+def test_admission_waits_for_a_state_slot_and_finish_and_abort_give_it_back():
+    states = StatePool(2)
+    sched = Scheduler(BlockPool(64, 16), max_num_seqs=4, token_budget=512, states=states)
+    reqs = [_req(f"r{i}", 20) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    sched.schedule()
+    assert [r.status for r in reqs] == [Status.RUNNING, Status.RUNNING, Status.WAITING]  # two slots, not four seats
+    assert {reqs[0].state_slot, reqs[1].state_slot} == {0, 1} and reqs[2].state_slot is None
+    sched.finish(reqs[0])  # finished or aborted alike
+    assert reqs[0].state_slot is None and states.num_free == 1
+    sched.schedule()
+    assert reqs[2].status is Status.RUNNING and reqs[2].state_slot is not None
+    sched.finish(reqs[1])
+    sched.finish(reqs[2])
+    sched.finish(reqs[2])  # twice is safe
+    assert states.num_free == 2
+
+
+def test_preemption_gives_the_state_slot_back_and_recomputes_from_token_zero():
+    states = StatePool(2)
+    blocks = BlockPool(4, 16)  # 64 tokens of KV for two requests that will want 40 each
+    sched = Scheduler(blocks, max_num_seqs=2, token_budget=512, states=states)
+    first, second = _req("a", 30), _req("b", 30)
+    sched.add(first)
+    sched.add(second)
+    batch = sched.schedule()
+    assert len(batch.seqs) == 2
+    for s in batch.seqs:
+        s.request.num_computed += len(s.tokens)
+        s.request.output_ids.append(7)
+    # each now needs a block more for its next tokens; only three fit: the later one is preempted
+    for r in (first, second):
+        r.output_ids.extend([7] * 4)
+    sched.schedule()
+    assert first.status is Status.RUNNING and second.status is Status.WAITING
+    assert second.state_slot is None and second.num_computed == 0 and states.num_free == 1
+    assert sched.num_preemptions == 1
+
+
+def test_prefix_caching_is_off_for_hybrid_models():
+    """A prompt's KV blocks are not enough to resume a hybrid model: the state after them is not kept."""
+    blocks = BlockPool(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=4, token_budget=512, states=StatePool(4))
+    first = _req("a", 40)
+    sched.add(first)
+    sched.schedule()
+    first.num_computed = 40
+    sched.computed(first)
+    sched.finish(first)
+    again = _req("b", 40)
+    sched.add(again)
+    sched.schedule()
+    assert again.num_computed == 0 and blocks.queries == 0
+
+
+# -- the model's state in steps ----------------------------------------------------------------------------
+
+def test_a_3000_token_prompt_prefilled_in_chunks_of_256_gives_the_logits_of_one_chunk(converted):
+    core = converted.core(DATA, "qwen35", cache={"context_size": 4096})
+    ids = torch.randint(0, 320, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = core.forward_logits(ids)
+    bs = core.pool.block_size
+    blocks = core.pool.allocate(-(-len(ids) // bs))
+    slot = core.states.allocate()
+    chunks = []
+    for start in range(0, len(ids), 256):
+        piece = ids[start : start + 256]
+        end = start + len(piece)
+        chunks.append(core.executor.forward(StepPlan([(blocks[: -(-end // bs)], start, piece)], [True], bs, (slot,))))
+    chunked = torch.cat(chunks)
+    assert chunked.shape == whole.shape == (3000, 320)
+    worst = max(converted.rel(chunked[i], whole[i]) for i in range(0, 3000, 7))
+    assert worst < 1e-4, worst
+    assert converted.rel(chunked, whole) < 1e-4
+
+
+def test_a_batch_of_eight_mixed_prefill_and_decode_sequences_equals_each_alone(converted):
+    """Eight requests of 3 to 150 prompt tokens arrive in two waves under a 64-token budget, so steps mix
+    prompt chunks with decodes; each request's tokens and top-5 logprobs equal those of its run alone."""
+    lengths = [3, 150, 17, 64, 1, 90, 33, 120]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=5)
+    solo_core = converted.core(DATA, "qwen35moe", scheduler={"max_num_seqs": 1})
+    alone = []
+    for p in prompts:
+        outs = solo_core.generate_sync(GenerateRequest(list(p), params))
+        alone.append(([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs]))
+    core = converted.core(DATA, "qwen35moe", scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64})
+    kinds: list[set[bool]] = []  # per step: which of (prompt chunk, decode) it held
+    schedule = core.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        kinds.append({s.start < len(s.request.prompt_ids) for s in batch.seqs})
+        return batch
+
+    core.scheduler.schedule = recording
+    reqs = [GenerateRequest(list(p), params) for p in prompts]
+    got: dict[str, tuple[list, list]] = {r.request_id: ([], []) for r in reqs}
+    for wave in (reqs[:4], reqs[4:]):
+        for r in wave:
+            core.add_request(r)
+        for _ in range(6 if wave is reqs[:4] else 100):
+            for out in core.step():
+                got[out.request_id][0].extend(out.token_ids)
+                got[out.request_id][1].extend(out.logprobs)
+    mixed = sum(k == {True, False} for k in kinds)
+    assert mixed > 0 and not core.has_work
+    for r, (tokens, lps) in zip(reqs, alone, strict=True):
+        mine_tokens, mine_lps = got[r.request_id]
+        assert mine_tokens == tokens
+        for a, b in zip(mine_lps, lps, strict=True):
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) < 1e-4
+    assert core.states.num_free == 8
+
+
+def test_the_state_slot_reaches_every_stage_of_a_pipeline(converted):
+    """Two CPU processes (-sm layer): the state slots travel in the broadcast plan, and greedy decoding of
+    two requests side by side gives one process's tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 200, 33, 9, 41, 120, 7], [64, 250, 3, 88, 12]]
+
+    def run(core: EngineCore) -> list[list[int]]:
+        try:
+            reqs = [GenerateRequest(list(p), params) for p in prompts]
+            for r in reqs:
+                core.add_request(r)
+            got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+            while core.has_work:
+                for out in core.step():
+                    got[out.request_id].extend(out.token_ids)
+            return [got[r.request_id] for r in reqs]
+        finally:
+            core.close()
+
+    one = run(converted.core(DATA, "qwen3next"))
+    two = run(converted.core(DATA, "qwen3next", parallel={"split_mode": "layer", "n_devices": 2}))
+    assert two == one and all(len(t) == 6 for t in one)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton kernels, "
+                    "which only the interpreter takes")
+def test_a_decode_graphs_static_batch_stages_the_state_slots_and_equals_the_eager_step(converted):
+    """engine/cuda_graphs.py's static batch (not captured on a CPU: the same staging run eagerly, through the
+    Triton kernels under the interpreter): three sequences in a bucket of four, the padded row on the spare
+    KV block and the spare state slot; the logits and every slot's new state equal the eager step's."""
+    from vegaserve.engine.cuda_graphs import DecodeGraphs
+    from vegaserve.engine.layers.attention import KVCache
+
+    core = converted.core(DATA, "qwen3next")
+    worker = core.runner.executor.worker
+    bs = core.pool.block_size
+    lengths = [5, 17, 1]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + 1) // bs)) for n in lengths]
+    slots = (2, 0, 3)
+    worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, bs, slots))
+    nxt = [11, 12, 13]
+    plan = StepPlan([(b, n, [t]) for b, n, t in zip(blocks, lengths, nxt, strict=True)], [False] * 3, bs, slots)
+    cache = worker.cache
+    spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                    cache.k.device, spare=bs)
+    spare.k[:, : cache.num_slots], spare.v[:, : cache.num_slots] = cache.k, cache.v
+    spare.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1)
+    spare.state.conv[:, :-1], spare.state.ssm[:, :-1] = cache.state.conv, cache.state.ssm
+    spare.state.conv[:, -1], spare.state.ssm[:, -1] = float("nan"), float("nan")  # only a padded row may go there
+    graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, bs, torch.device("cpu"))
+    static = graphs.run(plan.seqs, state_slots=plan.state_slots).clone()
+    eager = worker.run(plan)
+    assert converted.rel(static, eager) < 1e-4
+    for s in slots:
+        assert converted.rel(spare.state.ssm[:, s], cache.state.ssm[:, s]) < 1e-5
+        assert converted.rel(spare.state.conv[:, s], cache.state.conv[:, s]) < 1e-6
+    assert torch.isfinite(spare.state.ssm[:, -1]).all()  # the padded row started from zeros, not the NaNs
+
+
+
+def test_a_step_without_state_slots_is_refused(converted):
+    """A plan that names no state slot would read some other sequence's state: refused, not computed."""
+    core = converted.core(DATA, "qwen3next")
+    blocks = core.pool.allocate(1)
+    with pytest.raises(ValueError, match="needs every sequence's state slot"):
+        core.executor.forward(StepPlan([(blocks, 0, [1, 2, 3])], [False], core.pool.block_size))
+
+
+# -- refused ------------------------------------------------------------------------------------------------
+
+def test_speculative_decoding_is_refused_at_start_for_a_hybrid_model(converted):
+    with pytest.raises(ConfigError, match="--spec-type ngram is not supported yet for the hybrid linear-attention "
+                                          "architecture qwen35"):
+        converted.core(DATA, "qwen35", speculative={"type": "ngram"})
+
+
+def test_tensor_parallelism_is_refused_at_start_for_a_hybrid_model(converted):
+    with pytest.raises(ConfigError, match="tensor parallelism .* qwen35moe is not supported yet"):
+        converted.core(DATA, "qwen35moe", parallel={"split_mode": "tensor", "n_devices": 2})
+
+
+def test_a_hybrid_draft_model_is_refused():
+    """qwen3next's tiny file shares tests/data/moe's 320-token vocabulary, so only its architecture stops it."""
+    target = Path(__file__).resolve().parents[1] / "data" / "moe" / "qwen3moe-f32.gguf"
+    cfg = {"model": {"path": str(target)}, "cache": {"context_size": 256}, "device": "cpu",
+           "speculative": {"type": "draft", "draft_model": str(DATA / "qwen3next-f32.gguf")}}
+    with pytest.raises(ConfigError, match="a hybrid linear-attention draft model \\(qwen3next\\) is not supported yet"):
+        EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+
+
+def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
+    """qwen35's file: 4 blocks (linear, full, linear, MTP); the KV cache covers the one trunk attention layer,
+    and each of max_num_seqs sequences holds two layers' conv rows and delta-rule heads."""
+    from vegaserve.engine.launch import plan_launch
+    from vegaserve.engine.models.arch_config import arch_config_from_gguf
+
+    g = GGUFFile(DATA / "qwen35-f32.gguf")
+    arch = arch_config_from_gguf(g.metadata, set(g.tensors), str(g.path))
+    slots = 512
+    weights = sum(t.n_bytes for n, t in g.tensors.items() if n.startswith("blk.") or n == "token_embd.weight")
+    kv = 2 * 1 * slots * 1 * 32 * 4  # k and v, one layer, one KV head of 32, f32
+    state = 2 * 4 * ((4 - 1) * 128 + 4 * 16 * 16)  # 2 layers: 3 conv rows of 128 channels, 4 heads of 16 x 16
+    need = weights + kv + 4 * state
+
+    def plan(limit: float):
+        cfg = EngineConfig.from_dict({"model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
+                                      "parallel": {"device_memory_gib": limit / 2**30}})
+        return plan_launch(cfg, g, arch, 256, slots, torch.device("cpu"))
+
+    plan(need + 0.5)
+    with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences"):
+        plan(need - 1)
+
+
+def _rewrite(src: Path, dst: Path, metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a GGUF with some metadata replaced (key -> (value, type)) and some tensors left out."""
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch=arch)
+    metadata = metadata or {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype = metadata.pop(name, (f.contents(), f.types[0]))
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, value, vtype, sub)
+    for name, (value, vtype) in metadata.items():
+        w.add_key_value(name, value, vtype, gguf.GGUFValueType.BOOL if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+ARRAY, U32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+
+
+@pytest.mark.parametrize("change, drop, message", [
+    ({"qwen35.attention.recurrent_layers": ([True, True, True, False], ARRAY)}, (),
+     r"layer 1 is linear attention by qwen35.attention.recurrent_layers, but blk.1.ssm_conv1d.weight, .* are missing "
+     r"\(it has attn_q: a full-attention layer\)"),
+    ({"qwen35.attention.recurrent_layers": ([True, False, False, False], ARRAY)}, (),
+     r"layer 2 is a full-attention layer by qwen35.attention.recurrent_layers, but blk.2.attn_q.weight, .* missing"),
+    ({"qwen35.attention.recurrent_layers": ([True, False, True], ARRAY)}, (),
+     r"qwen35.attention.recurrent_layers has 3 entries for 4 layers"),
+    ({"qwen35.attention.recurrent_layers": ([True, False, True, True], ARRAY)}, (),
+     r"layer 3 is a NextN \(MTP\) block but qwen35.attention.recurrent_layers marks it linear attention"),
+    ({}, ("blk.2.ssm_norm.weight",), r"layer 2 is linear attention .* blk.2.ssm_norm.weight is missing"),
+    ({"qwen35.ssm.state_size": (32, U32)}, (),
+     r"qwen35.ssm.inner_size 64 is not 4 value heads of 32 \(qwen35.ssm.state_size\)"),
+    ({"qwen35.ssm.group_count": (3, U32)}, (), r"4 value heads \(qwen35.ssm.time_step_rank\) do not share 3 key heads"),
+    ({"qwen35.ssm.conv_kernel": (5, U32)}, (),
+     r"tensor blk.0.ssm_conv1d.weight \(F32\) has shape \[128, 4\], the model expects \[128, 5\]"),
+    ({"qwen35.ssm.group_count": (1, U32)}, (),
+     r"tensor blk.0.attn_qkv.weight \(F32\) has shape \[128, 64\], the model expects \[96, 64\]"),
+], ids=["linear-layer-without-its-tensors", "attention-layer-without-its-tensors", "pattern-length", "nextn-marked-linear",
+        "a-missing-state-tensor", "state-size-vs-inner-size", "heads-do-not-divide", "conv-kernel-vs-tensor",
+        "key-heads-vs-tensor"])
+def test_an_inconsistent_hybrid_gguf_is_refused_at_load_naming_the_layer(tmp_path, change, drop, message):
+    path = _rewrite(DATA / "qwen35-f32.gguf", tmp_path / "bad.gguf", dict(change), drop)
+    with pytest.raises(ModelLoadError, match=message):
+        _core_from(path)
+
+
+def _core_from(path: Path) -> None:
+    from vegaserve.engine.models.registry import load_model
+
+    load_model(GGUFFile(path), torch.device("cpu"), 64, show_progress=False)
