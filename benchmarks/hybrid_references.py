@@ -5,7 +5,7 @@ attention) and a llama.cpp CPU build.
     python benchmarks/hybrid_references.py --llama-cpp SRC --llama-build BUILD [--out tests/data/hybrid] [--work DIR]
 
 SRC and BUILD as for benchmarks/moe_references.py, whose tokenizer, conversion, logits tool and summaries this
-script reuses (run it from the repository root or from benchmarks/). About two minutes on two cores.
+script reuses (run it from the repository root or from benchmarks/). About three minutes on two cores.
 
 For each of qwen35 (dense), qwen35moe and qwen3next it writes
   <name>-f32.gguf   converted by llama.cpp's own convert_hf_to_gguf.py (--outtype f32); qwen35 and qwen35moe
@@ -18,6 +18,8 @@ For each of qwen35 (dense), qwen35moe and qwen3next it writes
                     results on the F32 file, on the Q8_0 file, and on the Q8_0 file's weights dequantized
                     into an F32 file (the quantized reference without llama.cpp's 8-bit activations), the
                     agreement figures, and the F32 file's metadata and tensor shapes
+and q4_k_m_types.json: the type llama-quantize Q4_K_M gives every tensor of benchmarks/synth_gguf.py's presets
+qwen3.6-27b and qwen3.6-35b-a3b at their full layer counts (the presets' files written in F32 at small dims).
 
 Every model has linear-attention layers on both sides of a full-attention layer, fewer key heads than value
 heads (so the converter's head order matters: qwen35/qwen35moe tile the value heads over the key heads,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from moe_references import (  # noqa: E402 - a sibling script
     QWEN2_REGEX, QWEN_CHAT, SEED, VOCAB, Family, LlamaCpp, agreement, b64, command_line, cpp_version, dumps, forward,
     gguf_layout, gguf_py, greedy, llama_summary, print_agreement, topk, write_tokenizer,
 )
+import synth_gguf  # noqa: E402 - a sibling script
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "hybrid"
 # Qwen3.5's pre-tokenizer (tokenizer.ggml.pre "qwen35"): qwen2's, with combining marks kept inside words
@@ -231,12 +235,34 @@ def make(fam: Family, cpp: LlamaCpp, out: Path, work: Path) -> dict[str, Any]:
     }
 
 
+# llama-quantize's Q4_K_M mix follows tensor kinds and layer counts, not sizes: the presets at small dims (whole
+# 256-element blocks everywhere, so no type falls back) and 4 experts (its 8-expert rules left out of play)
+Q4_K_M_PRESETS = {"qwen3.6-27b": {}, "qwen3.6-35b-a3b": dict(experts=4, experts_used=2, expert_ff=256, shared_ff=256)}
+SMALL = dict(hidden=256, n_heads=2, n_kv_heads=1, head_dim_override=128, rope_dim_override=32, ffn=256,
+             linear_heads=(2, 4), linear_head_dim=64)
+
+
+def q4_k_m_types(cpp: LlamaCpp, work: Path) -> dict[str, Any]:
+    """{preset: {"dims": the small dims, "types": {tensor: the type llama-quantize Q4_K_M gives it}}}."""
+    import gguf
+
+    out: dict[str, Any] = {}
+    for name, extra in Q4_K_M_PRESETS.items():
+        preset = replace(synth_gguf.PRESETS[name], **SMALL, **extra)
+        f32, q = work / f"{name}-f32.gguf", work / f"{name}-q4_k_m.gguf"
+        synth_gguf.write_synth_gguf(f32, preset, "F32")
+        cpp.quantize(f32, q, "Q4_K_M")
+        out[name] = {"dims": SMALL | extra, "types": {t.name: t.tensor_type.name for t in gguf.GGUFReader(q).tensors}}
+    return out
+
+
 def main() -> None:
     args, work, cpp = command_line(__doc__, OUT, list(FAMILIES), "hybrid_references_")
     for name in args.models:
         ref = make(FAMILIES[name], cpp, args.out, work)
         (args.out / f"{name}.json").write_text(dumps(ref) + "\n")
         print_agreement("hybrid_references", name, ref["agreement"], ref["diagnostics"])
+    (args.out / "q4_k_m_types.json").write_text(json.dumps(q4_k_m_types(cpp, work), indent=0) + "\n")
     print(f"wrote {args.out}; Hugging Face models in {work}")
 
 

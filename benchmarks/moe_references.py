@@ -362,9 +362,9 @@ class LlamaCpp:
         subprocess.run([sys.executable, "-c", shim, str(self.src), fam.pre, str(hf_dir), "--outtype", "f32",
                         "--outfile", str(out), *extra], check=True, capture_output=True)
 
-    def quantize(self, f32: Path, out: Path) -> None:
+    def quantize(self, f32: Path, out: Path, type_name: str = "Q8_0") -> None:
         exe = next(self.build.rglob("llama-quantize"))
-        subprocess.run([str(exe), str(f32), str(out), "Q8_0"], check=True, capture_output=True)
+        subprocess.run([str(exe), str(f32), str(out), type_name], check=True, capture_output=True)
 
     def run(self, gguf: Path, mode: str, stdin: str, *extra: str) -> str:
         return subprocess.run([str(self.tool), str(gguf), mode, *extra], input=stdin, capture_output=True,

@@ -5,8 +5,10 @@ like the real ones (the text they generate is noise).
     python benchmarks/synth_gguf.py --preset llama3-8b --type Q4_K_M --out /tmp/x.gguf [--layers 2] [--seed 0]
 
 Presets: dense llama3-8b, qwen3-14b, llama-1b; mixture-of-experts qwen3-30b-a3b (qwen3moe) and gpt-oss-20b,
-gpt-oss-120b (gpt-oss), with the tensor names, shapes and `{arch}.*` keys llama.cpp's converter writes.
-`--layers N` keeps the first N layers.
+gpt-oss-120b (gpt-oss); hybrid linear attention qwen3.6-27b (qwen35) and qwen3.6-35b-a3b (qwen35moe: experts and
+a shared expert), each with its NextN (MTP) block after the trunk; with the tensor names, shapes and `{arch}.*`
+keys llama.cpp's converter writes. `--layers N` keeps the first N layers (of a hybrid model, N trunk layers
+and its NextN block: 4 shows both layer kinds).
 
 Weight types: `Q4_K_M` is llama-quantize's mix (`matrix_type`); `MXFP4` on a dense model puts token_embd
 and output in Q8_0, as llama.cpp's MXFP4 models do, and on a mixture of experts is llama-quantize's
@@ -23,7 +25,8 @@ a model never sits in memory; one thread generates about 250 MB/s of blocks: lla
 65 F32 / 193 Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine. Full
 sizes: qwen3-30b-a3b Q4_K_M 17.28 GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB (the
 tensor bytes llama.cpp reports for the published files; qwen3-30b-a3b took 3.4 min on the same machine,
-at most 0.44 GB resident); gpt-oss-120b cut to 12 layers 20.44 GiB.
+at most 0.44 GB resident); gpt-oss-120b cut to 12 layers 20.44 GiB; qwen3.6-27b Q4_K_M 15.65 GiB
+(15.401 GiB without its MTP block, as llama.cpp prints the published file), qwen3.6-35b-a3b 20.21 GiB (19.70).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def add_smollm2_tokenizer(
 
 # -- shapes ---------------------------------------------------------------------------------------------
 
-_MOE_ARCHS = ("qwen3moe", "gpt-oss")
+_MOE_ARCHS = ("qwen3moe", "gpt-oss", "qwen35moe")
+_HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,17 @@ class Preset:
     sliding_window: int = 0  # > 0: attention.sliding_window (gpt-oss: the even layers slide)
     yarn_factor: float = 0.0  # > 0: YaRN rope scaling of a model trained at yarn_context positions
     yarn_context: int = 0
+    shared_ff: int = 0  # > 0: a shared expert of this width beside the experts (behind a sigmoid gate)
+    # hybrid linear attention: every full_attention_interval-th layer is gated full attention (q's rows
+    # doubled: a gate per head), the others gated DeltaNet with linear_heads (key, value) heads of
+    # linear_head_dim and a causal convolution of conv_kernel; nextn NextN blocks follow the trunk
+    linear_heads: tuple[int, int] = (0, 0)
+    linear_head_dim: int = 0
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    nextn: int = 0
+    rope_dim_override: int = 0  # 0: head_dim (partial rotary: fewer)
+    rope_sections: tuple[int, ...] = ()  # M-RoPE sections (qwen35: text tokens rotate as plain rope)
 
     def __post_init__(self) -> None:
         if (self.arch in _MOE_ARCHS) != (self.experts > 0):
@@ -132,9 +147,22 @@ class Preset:
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden // self.n_heads
 
+    @property
+    def n_blocks(self) -> int:
+        """Layers in the file: the trunk's and the NextN blocks."""
+        return self.n_layers + self.nextn
+
+    def linear(self, i: int) -> bool:
+        """Whether block i is a gated DeltaNet layer (llama.cpp's rule for a file without the flags)."""
+        return self.arch in _HYBRID_ARCHS and i < self.n_layers and (i + 1) % self.full_attention_interval != 0
+
 
 # From each model's config.json (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b and -120b); gpt-oss's YaRN betas
 # (32, 1) are llama.cpp's defaults and written explicitly, as its converter does
+# Qwen/Qwen3.6-27B and Qwen/Qwen3.6-35B-A3B (the Qwen3.5 shapes): rope theta 1e7 on a quarter of each 256-wide
+# head, M-RoPE sections (11, 11, 10), one MTP block
+_QWEN36 = dict(rms_eps=1e-6, head_dim_override=256, rope_dim_override=64, rope_sections=(11, 11, 10, 0),
+               linear_head_dim=128, conv_kernel=4, full_attention_interval=4, nextn=1)
 _GPT_OSS_20B = Preset("gpt-oss", 24, 2880, 64, 8, 2880, 201088, 131072, 150000.0, head_dim_override=64,
                       experts=32, experts_used=4, expert_ff=2880, sliding_window=128, yarn_factor=32.0,
                       yarn_context=4096)  # fmt: skip
@@ -147,6 +175,9 @@ PRESETS: dict[str, Preset] = {
                             head_dim_override=128, experts=128, experts_used=8, expert_ff=768),
     "gpt-oss-20b": _GPT_OSS_20B,
     "gpt-oss-120b": replace(_GPT_OSS_20B, n_layers=36, experts=128),
+    "qwen3.6-27b": Preset("qwen35", 64, 5120, 24, 4, 17408, 248320, 262144, 1e7, linear_heads=(16, 48), **_QWEN36),
+    "qwen3.6-35b-a3b": Preset("qwen35moe", 40, 2048, 16, 2, 512, 248320, 262144, 1e7, linear_heads=(16, 32),
+                              experts=256, experts_used=8, expert_ff=512, shared_ff=512, **_QWEN36),
     # for tests: SmolLM2's 49152 tokens + 64 padded control tokens
     "tiny": Preset("llama", 2, 256, 4, 2, 512, 49152 + 64, 2048, 10000.0),
 }  # fmt: skip
@@ -173,14 +204,16 @@ TYPE_CHOICES = (*_MIXES, *(s.name for s in GGML_TYPES.values()))
 def matrix_type(kind: str, i_layer: int, n_layers: int, type_name: str, tied: bool, moe: bool = False) -> str:
     """The weight type of matrix `kind` (token_embd, output, attn_q, ..., ffn_down, ffn_down_exps, ...) in
     layer `i_layer`, as src/llama-quant.cpp's llama_tensor_get_type_impl picks it. Its rules for models of
-    exactly 8 experts (Mixtral) are left out: no preset has 8."""
+    exactly 8 experts (Mixtral) are left out: no preset has 8. A linear-attention layer's fused attn_qkv is
+    an attn_v to llama-quant.cpp (category_is_attn_v): both count by block."""
     if type_name == "Q4_K_M":
         # output (and a tied embedding, which is the output) Q6_K; attn_v and ffn_down (the experts' down
         # matrices too: a tensor named ffn_down*) Q6_K on the use-more-bits layers; Q4_K elsewhere, the untied
-        # token_embd included. attn_v counts its layer by the attn_v tensors before it: file order, = i_layer
+        # token_embd included. attn_v counts its layer by the attn_v (and attn_qkv) tensors before it: one a
+        # block, so = i_layer
         if kind == "output" or (kind == "token_embd" and tied):
             return "Q6_K"
-        if kind in ("attn_v", "ffn_down", "ffn_down_exps") and use_more_bits(i_layer, n_layers):
+        if kind in ("attn_v", "attn_qkv", "ffn_down", "ffn_down_exps", "ffn_down_shexp") and use_more_bits(i_layer, n_layers):
             return "Q6_K"
         return "Q4_K"
     if type_name == "MXFP4" and moe:  # MXFP4_MOE: 3-D tensors (the experts) MXFP4, other matrices Q8_0
@@ -197,7 +230,7 @@ def tensor_plan(p: Preset, type_name: str) -> list[PlannedTensor]:
     plan: list[PlannedTensor] = []
 
     def matrix(name: str, kind: str, i: int, *shape: int) -> None:
-        t = matrix_type(kind, i, p.n_layers, type_name, p.tied, p.experts > 0)
+        t = matrix_type(kind, i, p.n_blocks, type_name, p.tied, p.experts > 0)
         block = next(s.block_size for s in GGML_TYPES.values() if s.name == t)
         if shape[-1] % block:
             raise ValueError(f"{name}: {shape[-1]} columns do not hold whole {t} blocks of {block}")
@@ -208,7 +241,10 @@ def tensor_plan(p: Preset, type_name: str) -> list[PlannedTensor]:
 
     q, kv, h, oai = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim, p.hidden, p.arch == "gpt-oss"
     matrix("token_embd.weight", "token_embd", 0, p.vocab, h)
-    for i in range(p.n_layers):
+    if p.arch in _HYBRID_ARCHS:  # two kinds of blocks, and NextN blocks
+        _hybrid_blocks(p, matrix, f32)
+    llama_layers = () if p.arch in _HYBRID_ARCHS else range(p.n_layers)
+    for i in llama_layers:
         b = f"blk.{i}."
         f32(b + "attn_norm.weight", h, around=1.0)
         for n, rows in (("q", q), ("k", kv), ("v", kv)):
@@ -240,6 +276,50 @@ def tensor_plan(p: Preset, type_name: str) -> list[PlannedTensor]:
     if not p.tied:
         matrix("output.weight", "output", 0, p.vocab, h)
     return plan
+
+
+def _hybrid_blocks(p: Preset, matrix, f32) -> None:
+    """The blocks of a qwen35 / qwen35moe model, NextN blocks last. Each block has one attn_v or attn_qkv, so
+    llama-quant.cpp's count of them and its ffn_down's layer are the block's index among all blocks, NextN
+    included (checked with llama-quantize Q4_K_M on an F32 file of each preset's layer count)."""
+    h, hd, (hk, hv), d = p.hidden, p.head_dim, p.linear_heads, p.linear_head_dim
+    conv_dim, value_dim = 2 * hk * d + hv * d, hv * d
+    for i in range(p.n_blocks):
+        b = f"blk.{i}."
+        f32(b + "attn_norm.weight", h, around=1.0)
+        if p.linear(i):
+            matrix(b + "attn_qkv.weight", "attn_qkv", i, conv_dim, h)
+            matrix(b + "attn_gate.weight", "attn_gate", i, value_dim, h)
+            f32(b + "ssm_conv1d.weight", conv_dim, p.conv_kernel)
+            f32(b + "ssm_dt.bias", hv)
+            f32(b + "ssm_a", hv, around=-1.0)  # -exp(A_log): negative
+            for n in ("beta", "alpha"):
+                matrix(b + f"ssm_{n}.weight", f"ssm_{n}", i, hv, h)
+            f32(b + "ssm_norm.weight", d, around=1.0)
+            matrix(b + "ssm_out.weight", "ssm_out", i, h, value_dim)
+        else:
+            matrix(b + "attn_q.weight", "attn_q", i, 2 * p.n_heads * hd, h)  # query and gate rows per head
+            matrix(b + "attn_k.weight", "attn_k", i, p.n_kv_heads * hd, h)
+            matrix(b + "attn_v.weight", "attn_v", i, p.n_kv_heads * hd, h)
+            matrix(b + "attn_output.weight", "attn_output", i, h, p.n_heads * hd)
+            f32(b + "attn_q_norm.weight", hd, around=1.0)
+            f32(b + "attn_k_norm.weight", hd, around=1.0)
+        f32(b + "post_attention_norm.weight", h, around=1.0)
+        if p.experts:
+            e, f, s = p.experts, p.expert_ff, p.shared_ff
+            f32(b + "ffn_gate_inp.weight", e, h)
+            for n, rows, cols in (("gate", f, h), ("up", f, h), ("down", h, f)):
+                matrix(b + f"ffn_{n}_exps.weight", f"ffn_{n}_exps", i, e, rows, cols)
+            f32(b + "ffn_gate_inp_shexp.weight", h)  # 1-D: llama-quantize drops the converter's [1, H]
+            for n, rows, cols in (("gate", s, h), ("up", s, h), ("down", h, s)):
+                matrix(b + f"ffn_{n}_shexp.weight", f"ffn_{n}_shexp", i, rows, cols)
+        else:
+            for n, rows, cols in (("gate", p.ffn, h), ("up", p.ffn, h), ("down", h, p.ffn)):
+                matrix(b + f"ffn_{n}.weight", f"ffn_{n}", i, rows, cols)
+        if i >= p.n_layers:
+            matrix(b + "nextn.eh_proj.weight", "nextn_eh_proj", i, h, 2 * h)
+            for n in ("enorm", "hnorm", "shared_head_norm"):
+                f32(b + f"nextn.{n}.weight", h, around=1.0)
 
 
 # -- writing --------------------------------------------------------------------------------------------
@@ -294,9 +374,9 @@ def _file_type(type_name: str, moe: bool) -> int | None:
 
 
 def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
-    """The `{arch}.*` hyperparameter keys of a llama-family decoder, with the experts', sliding window's and
-    YaRN's where the preset has them (shared with tests/gguf_factory.py)."""
-    w.add_block_count(p.n_layers)
+    """The `{arch}.*` hyperparameter keys of a llama-family decoder, with the experts', sliding window's,
+    YaRN's and a hybrid model's where the preset has them (shared with tests/gguf_factory.py)."""
+    w.add_block_count(p.n_blocks)
     w.add_context_length(p.context)
     w.add_embedding_length(p.hidden)
     w.add_feed_forward_length(p.ffn)
@@ -304,7 +384,7 @@ def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
     w.add_head_count_kv(p.n_kv_heads)
     w.add_layer_norm_rms_eps(p.rms_eps)
     w.add_rope_freq_base(p.rope_theta)
-    w.add_rope_dimension_count(p.head_dim)
+    w.add_rope_dimension_count(p.rope_dim_override or p.head_dim)
     w.add_key_length(p.head_dim)
     w.add_value_length(p.head_dim)
     w.add_vocab_size(p.vocab)
@@ -312,8 +392,22 @@ def add_decoder_hparams(w: gguf.GGUFWriter, p: Preset) -> None:
         w.add_expert_count(p.experts)
         w.add_expert_used_count(p.experts_used)
         w.add_expert_feed_forward_length(p.expert_ff)
+    if p.shared_ff:
+        w.add_expert_shared_feed_forward_length(p.shared_ff)
     if p.sliding_window:
         w.add_sliding_window(p.sliding_window)
+    if p.arch in _HYBRID_ARCHS:
+        hk, hv = p.linear_heads
+        w.add_ssm_conv_kernel(p.conv_kernel)
+        w.add_ssm_state_size(p.linear_head_dim)
+        w.add_ssm_group_count(hk)
+        w.add_ssm_time_step_rank(hv)
+        w.add_ssm_inner_size(hv * p.linear_head_dim)
+        w.add_full_attention_interval(p.full_attention_interval)
+        w.add_array(f"{p.arch}.attention.recurrent_layers", [p.linear(i) for i in range(p.n_blocks)])
+        w.add_rope_dimension_sections(list(p.rope_sections))
+        if p.nextn:
+            w.add_nextn_predict_layers(p.nextn)
     if p.yarn_factor:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(p.yarn_factor)

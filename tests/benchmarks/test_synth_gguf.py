@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import re
 from collections import Counter
@@ -282,3 +283,92 @@ def test_engine_computes_finite_logits_from_the_moe_file(moe_core: EngineCore) -
     assert logits.shape == (len(ids), SMOLLM2_VOCAB + 64)
     assert torch.isfinite(logits).all()
     assert math.isfinite(float(logits.std())) and float(logits.std()) > 0
+
+
+# -- hybrid linear-attention presets --------------------------------------------------------------------
+
+HYBRID_DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid"
+# The dims of tests/data/hybrid's converted models (their layers [linear, full, linear] are the interval rule
+# with interval 2; qwen35's has its MTP block and ties its head); rope, eps and the rest are the real presets'.
+_TINY_HYBRID = dict(n_layers=3, hidden=64, n_heads=2, n_kv_heads=1, head_dim_override=32, rope_dim_override=8,
+                    rope_sections=(1, 1, 2, 0), ffn=64, context=4096, rope_theta=1e6, linear_heads=(2, 4),
+                    linear_head_dim=16, full_attention_interval=2)
+_HYBRID_REFERENCE = {
+    "qwen35": ("qwen3.6-27b", dict(_TINY_HYBRID, nextn=1, tied=True)),
+    "qwen35moe": ("qwen3.6-35b-a3b", dict(_TINY_HYBRID, nextn=0, experts=4, experts_used=2, expert_ff=32, shared_ff=32)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_HYBRID_REFERENCE))
+def test_hybrid_plan_has_the_tensors_of_llama_cpps_converted_file(synth: ModuleType, arch: str) -> None:
+    ref = gguf.GGUFReader(HYBRID_DATA / f"{arch}-q8_0.gguf")
+    want = {t.name: (tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name) for t in ref.tensors}
+    preset, dims = _HYBRID_REFERENCE[arch]
+    plan = synth.tensor_plan(replace(synth.PRESETS[preset], vocab=320, **dims), "Q8_0")
+    assert {t.name: (t.shape, t.type_name) for t in plan} == want
+
+
+@pytest.mark.parametrize("arch", sorted(_HYBRID_REFERENCE))
+def test_hybrid_file_has_the_arch_keys_of_llama_cpps_converted_file(synth: ModuleType, arch: str, tmp_path: Path) -> None:
+    """All but full_attention_interval: the converter writes its default 4 when the config lists layer_types
+    (the recurrent_layers flags, compared too, are what both readers follow)."""
+    path = tmp_path / f"{arch}.gguf"
+    preset, dims = _HYBRID_REFERENCE[arch]
+    synth.write_synth_gguf(path, replace(synth.PRESETS[preset], vocab=SMOLLM2_VOCAB + 64, **dims), "Q8_0")
+    ours, ref = gguf.GGUFReader(path).fields, gguf.GGUFReader(HYBRID_DATA / f"{arch}-q8_0.gguf").fields
+    keys = [k for k in ref if (k.startswith(f"{arch}.") or k == "general.file_type")
+            and k != f"{arch}.full_attention_interval"]
+    assert len(keys) >= 18 and f"{arch}.attention.recurrent_layers" in keys
+    for k in keys:
+        assert k in ours, k
+        assert ours[k].contents() == pytest.approx(ref[k].contents()), k
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-27b", "qwen3.6-35b-a3b"])
+def test_hybrid_q4_k_m_plan_gives_every_tensor_llama_quantizes_type(synth: ModuleType, preset: str) -> None:
+    """llama-quantize Q4_K_M on the preset at its full layer count (small dims; tests/data/hybrid/README.md):
+    a linear layer's attn_qkv counts with the attn_v tensors (one of the two a block, the MTP block's too), so
+    both are Q6_K on the use-more-bits blocks; the convolution, decay and norms stay F32."""
+    ref = json.loads((HYBRID_DATA / "q4_k_m_types.json").read_text())[preset]
+    plan = synth.tensor_plan(replace(synth.PRESETS[preset], **ref["dims"]), "Q4_K_M")
+    assert {t.name: t.type_name for t in plan} == ref["types"]
+
+
+def test_qwen3_6_27b_q4_k_m_plan_has_the_published_files_size(synth: ModuleType) -> None:
+    """Real shapes: a linear layer's q/k/v rows (2 x 16 key heads and 48 value heads of 128), q's rows doubled by
+    the output gate, the MTP block's eh_proj. Without the MTP block (files converted before llama.cpp kept it)
+    the plan is 15.401 GiB at 4.919 bits a weight, as llama.cpp prints the published Qwen3.6-27B Q4_K_M
+    (mradermacher's); qwen3.6-35b-a3b's 19.70 GiB (21.2 GB) is the 21 GB listed for its published Q4_K_M."""
+    plan = {t.name: t for t in synth.tensor_plan(synth.PRESETS["qwen3.6-27b"], "Q4_K_M")}
+    assert plan["blk.0.attn_qkv.weight"].shape == (2 * 16 * 128 + 48 * 128, 5120)
+    assert plan["blk.3.attn_q.weight"].shape == (2 * 24 * 256, 5120)
+    assert plan["blk.0.ssm_conv1d.weight"].shape == (10240, 4)
+    assert plan["blk.64.nextn.eh_proj.weight"].shape == (5120, 10240) and len(plan) == 866
+    trunk = synth.tensor_plan(replace(synth.PRESETS["qwen3.6-27b"], nextn=0), "Q4_K_M")
+    n_bytes, n_weights = sum(synth._nbytes(t) for t in trunk), sum(math.prod(t.shape) for t in trunk)
+    assert (round(n_bytes / 2**30, 3), round(8 * n_bytes / n_weights, 3)) == (15.401, 4.919)
+    moe = synth.tensor_plan(replace(synth.PRESETS["qwen3.6-35b-a3b"], nextn=0), "Q4_K_M")
+    assert round(sum(synth._nbytes(t) for t in moe) / 2**30, 2) == 19.70
+
+
+@pytest.fixture(scope="module", params=["qwen3.6-27b", "qwen3.6-35b-a3b"])
+def hybrid_core(request, synth: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
+    """The presets cut to 4 trunk layers (three DeltaNet, one full attention) and their MTP block, at dims
+    of whole Q4_K blocks, through write_synth_gguf's Q4_K_M mix."""
+    dims = dict(hidden=256, n_heads=2, n_kv_heads=1, head_dim_override=128, rope_dim_override=32, ffn=256,
+                linear_heads=(2, 4), linear_head_dim=64, vocab=SMOLLM2_VOCAB + 64)
+    if request.param == "qwen3.6-35b-a3b":
+        dims.update(experts=4, experts_used=2, expert_ff=256, shared_ff=256)
+    path = tmp_path_factory.mktemp("synth_hybrid") / f"{request.param}.gguf"
+    synth.write_synth_gguf(path, replace(synth.PRESETS[request.param], **dims), "Q4_K_M", n_layers=4)
+    config = EngineConfig.from_dict({"model": {"path": str(path)}, "cache": {"context_size": 64}, "device": "cpu"})
+    return EngineCore(config, show_progress=False)
+
+
+def test_engine_reads_the_hybrid_files_shape_and_computes_finite_logits(hybrid_core: EngineCore) -> None:
+    a = hybrid_core.arch
+    assert a.n_layers == 5 and a.hybrid.nextn == 1 and a.hybrid.recurrent == (True, True, True, False, False)
+    assert (a.hybrid.k_heads, a.hybrid.v_heads, a.hybrid.head_dim, a.hybrid.tiled) == (2, 4, 64, True)
+    assert a.rope_dim == 32 and len(hybrid_core.runner.executor.model.nextn) == 1
+    logits = hybrid_core.forward_logits([1, 200, 3000, 40000, 49200]).float()
+    assert logits.shape == (5, SMOLLM2_VOCAB + 64) and torch.isfinite(logits).all() and float(logits.std()) > 0
