@@ -30,7 +30,7 @@ from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.request import ContextLengthError, GenerateRequest, InvalidRequestError, RequestOutput
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Status
-from vegaserve.engine.speculative import make_speculator
+from vegaserve.engine.speculative import check_speculative, make_speculator
 from vegaserve.engine.state_pool import StatePool
 from vegaserve.engine.tokenizer import Tokenizer
 
@@ -51,6 +51,7 @@ class EngineCore:
         self.max_model_len, num_blocks = engine_shape(config, self.gguf)
         self.device = pick_device(config.device)
         self.arch = arch_config_from_gguf(self.gguf.metadata, set(self.gguf.tensors), str(self.gguf.path))
+        check_speculative(config, self.arch, self.gguf)  # before any weights load
         n_seqs = config.scheduler.max_num_seqs
         bs = config.cache.block_size
         started = torchrun_rank()  # rank 0 of a torchrun job: the other ranks were started by torchrun
@@ -64,7 +65,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.spec = make_speculator(config, self.arch, self.gguf, self.device, num_blocks, self.max_model_len, show_progress)
+        self.spec = make_speculator(config, self.gguf, self.device, num_blocks, self.max_model_len, show_progress)
         async_decode = config.scheduler.async_decode
         if async_decode is None:
             async_decode = self.device.type != "cpu"

@@ -146,10 +146,6 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
         log.warning("%d ranks on %d GPU(s): ranks share GPUs and talk over gloo (for testing; slow)",
                     topo.world_size, torch.cuda.device_count())
         launch = dataclasses.replace(launch, shared_gpus=True)
-    if arch.hybrid is not None and config.speculative.enabled:
-        raise ConfigError(f"{gguf.path}: --spec-type {config.speculative.type} is not supported yet for the hybrid "
-                          f"linear-attention architecture {arch.architecture}: a rejected guess would have to roll "
-                          f"back each sequence's recurrent state, not only its KV length")
     limit, source = _device_memory(config, device.type, topo.world_size)
     state = f" and recurrent state for {config.scheduler.max_num_seqs} sequences" if arch.hybrid is not None else ""
     if limit:

@@ -118,16 +118,12 @@ class DraftModelProposer:
         from vegaserve.engine.executor import start_executor
         from vegaserve.engine.gguf_file import GGUFFile
         from vegaserve.engine.launch import plan_launch
-        from vegaserve.engine.models.arch_config import arch_config_from_gguf
 
         spec = config.speculative
         path = spec.draft_model
         assert path is not None  # SpeculativeConfig requires it for type draft
         gguf = GGUFFile(path, config.model.load_mode)
-        check_same_vocabulary(list(gguf.metadata.get("tokenizer.ggml.tokens", [])), target_tokens, path)
-        arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
-        if arch.hybrid is not None:
-            raise ConfigError(f"{path}: a hybrid linear-attention draft model ({arch.architecture}) is not supported yet")
+        arch = _checked_draft(gguf, target_tokens)
         # canonical blocks, as DESIGN.md has drafts load: no repack pass, the canonical-layout kernels
         draft_config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, path=path, no_repack=True), parallel=ParallelConfig(n_devices=1),
@@ -189,6 +185,41 @@ class DraftModelProposer:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _checked_draft(gguf, target_tokens: Sequence[str]):
+    """The draft GGUF's architecture, once its vocabulary is the target's and it is not a hybrid model."""
+    from vegaserve.engine.models.arch_config import arch_config_from_gguf
+
+    check_same_vocabulary(list(gguf.metadata.get("tokenizer.ggml.tokens", [])), target_tokens, str(gguf.path))
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
+    if arch.hybrid is not None:
+        raise ConfigError(f"{gguf.path}: a hybrid linear-attention draft model ({arch.architecture}) is not supported yet")
+    return arch
+
+
+def check_speculative(config: EngineConfig, arch, gguf) -> None:
+    """Every speculative setup that cannot work fails here with one line, before any weights load: a
+    hybrid target, draft-mtp (no MTP head, or not run yet), a draft of another vocabulary or a hybrid one."""
+    from vegaserve.engine.gguf_file import GGUFFile
+
+    spec = config.speculative
+    if not spec.enabled:
+        return
+    if arch.hybrid is not None:
+        raise ConfigError(f"{gguf.path}: --spec-type {spec.type} is not supported yet for the hybrid "
+                          f"linear-attention architecture {arch.architecture}: a rejected guess would have to roll "
+                          f"back each sequence's recurrent state, not only its KV length")
+    if spec.type == "draft-mtp":
+        nextn = int(gguf.metadata.get(f"{arch.architecture}.nextn_predict_layers", 0) or 0)
+        if not nextn:
+            raise ConfigError(f"{gguf.path}: --spec-type draft-mtp needs an MTP (NextN) head, and this model has none "
+                              f"({arch.architecture}.nextn_predict_layers is not set)")
+        raise ConfigError(f"{gguf.path}: --spec-type draft-mtp: the model's MTP head is not run yet (not yet)")
+    if spec.type == "draft":
+        assert spec.draft_model is not None  # SpeculativeConfig requires it for type draft
+        _checked_draft(GGUFFile(spec.draft_model, config.model.load_mode),
+                       list(gguf.metadata.get("tokenizer.ggml.tokens", [])))
 
 
 def check_same_vocabulary(draft: Sequence[str], target: Sequence[str], path: str) -> None:
@@ -403,21 +434,16 @@ class Speculator:
         self.proposer.close()
 
 
-def make_speculator(config: EngineConfig, arch, gguf, device: torch.device, num_blocks: int,
+def make_speculator(config: EngineConfig, gguf, device: torch.device, num_blocks: int,
                     max_model_len: int, show_progress: bool = False) -> Speculator | None:
-    """The configured speculation, or None; every setup that cannot work fails here with one line."""
+    """The configured speculation, or None; check_speculative, run before the model loaded, has refused
+    every setup that cannot work."""
     spec = config.speculative
     if not spec.enabled:
         return None
     if spec.type == "ngram":
         proposer = NgramProposer(spec.ngram_size)
-    elif spec.type == "draft":
+    else:
         proposer = DraftModelProposer(config, list(gguf.metadata.get("tokenizer.ggml.tokens", [])), device,
                                       num_blocks, max_model_len, show_progress)
-    else:
-        nextn = int(gguf.metadata.get(f"{arch.architecture}.nextn_predict_layers", 0) or 0)
-        if not nextn:
-            raise ConfigError(f"{gguf.path}: --spec-type draft-mtp needs an MTP (NextN) head, and this model has none "
-                              f"({arch.architecture}.nextn_predict_layers is not set)")
-        raise ConfigError(f"{gguf.path}: --spec-type draft-mtp: the model's MTP head is not loaded yet (not yet)")
     return Speculator(config, proposer, max_model_len)

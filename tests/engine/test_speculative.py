@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,11 +314,32 @@ def test_greedy_outputs_with_speculation_equal_those_without_token_for_token(pla
     core.close()
 
 
-def test_draft_mtp_on_a_model_without_an_mtp_head_is_one_line():
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """EngineCore fails the test if it gets as far as loading the model's weights."""
+    import vegaserve.engine.engine_core as engine_core
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the speculative setup was refused")
+
+    monkeypatch.setattr(engine_core, "start_executor", refuse)
+
+
+def test_draft_mtp_on_a_model_without_an_mtp_head_is_one_line_before_the_model_loads(no_model_loads):
     from vegaserve.engine.engine_core import EngineCore
 
     with pytest.raises(ConfigError, match=r"needs an MTP \(NextN\) head, and this model has none"):
         EngineCore(EngineConfig.from_dict({**_CORE, "speculative": {"type": "draft-mtp"}}), show_progress=False)
+
+
+def test_a_draft_of_another_vocabulary_is_one_line_naming_both_sizes_before_the_model_loads(no_model_loads):
+    from vegaserve.engine.engine_core import EngineCore
+
+    draft = Path(__file__).parents[1] / "data" / "moe" / "qwen3moe-q8_0.gguf"  # a tiny model of its own vocabulary
+    spec = {"type": "draft", "draft_model": str(draft)}
+    with pytest.raises(ConfigError, match=r"qwen3moe-q8_0\.gguf: the draft model's vocabulary has \d+ tokens, the "
+                                          r"target's 49152: a draft model must share the target's vocabulary"):
+        EngineCore(EngineConfig.from_dict({**_CORE, "speculative": spec}), show_progress=False)
 
 
 def test_chi_square_helper_separates_equal_and_different_samples():
