@@ -84,6 +84,24 @@ def test_preemption_gives_the_state_slot_back_and_recomputes_from_token_zero():
     assert sched.num_preemptions == 1
 
 
+
+def test_an_aborted_request_gives_its_state_slot_and_blocks_back(converted):
+    """Through the engine: a request aborted mid-prompt frees its slot and KV blocks; the other one runs on."""
+    core = converted.core(DATA, "qwen3next", scheduler={"max_num_batched_tokens": 16})
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    keep, drop = GenerateRequest(list(range(1, 40)), params), GenerateRequest(list(range(2, 60)), params)
+    free_blocks = core.pool.num_free
+    core.add_request(keep)
+    core.add_request(drop)
+    core.step()
+    assert core.states.num_free == core.states.num_slots - 2
+    core.abort(drop.request_id)
+    assert core.states.num_free == core.states.num_slots - 1
+    while core.has_work:
+        core.step()
+    assert core.states.num_free == core.states.num_slots and core.pool.num_free == free_blocks
+
+
 def test_prefix_caching_is_off_for_hybrid_models():
     """A prompt's KV blocks are not enough to resume a hybrid model: the state after them is not kept."""
     blocks = BlockPool(64, 16)
