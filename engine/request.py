@@ -10,14 +10,17 @@ The chain, from the HTTP front to the kernels and back:
       -> StepOutput       sampled token ids and logprobs per request       (engine/model_runner.py)
       -> RequestOutput    what the server streams: new text, new tokens, finish reason
 
-The server reads only GenerateRequest, SamplingParams, RequestOutput and the errors defined here.
+The server reads only GenerateRequest, SamplingParams (with its GuideSpec), RequestOutput and the errors
+defined here.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class EngineError(Exception):
@@ -43,6 +46,31 @@ MIN_TEMPERATURE = 1e-5
 PENALTY_RANGE = (1e-6, 1e6)
 
 
+GUIDE_KINDS = ("json_schema", "json_object", "grammar", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """What a request's output must match (constrained decoding, engine/grammar.py): `kind` one of GUIDE_KINDS,
+    `text` the JSON schema (as JSON text), the GBNF grammar, the regex, or the choices (a JSON list of
+    strings); empty for json_object."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDE_KINDS:
+            raise ValueError(f"guide kind {self.kind!r} is not one of {GUIDE_KINDS}")
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> GuideSpec:
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))  # key order kept: it is the output's
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GuideSpec:
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated at construction."""
@@ -63,6 +91,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs of each sampled token; None: off
     prompt_logprobs: int | None = None  # same for the prompt tokens (completions with echo)
     include_stop_str_in_output: bool = False
+    guide: GuideSpec | None = None  # constrained decoding: what the output must match (engine/grammar.py)
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:

@@ -4,7 +4,7 @@ One call serves the whole batch. Per-request knobs become small per-row tensors,
 vocabulary is one vectorized op; Python loops only run over the batch, to build those small tensors.
 The order is the one llama.cpp's and vLLM's users expect:
 
-    logit_bias -> repetition penalty -> presence / frequency penalty
+    logit_bias -> repetition penalty -> presence / frequency penalty -> grammar masks (constrained rows)
       -> greedy rows (temperature 0 or top_k 1): argmax, lowest id on ties
       -> other rows: / temperature -> top-k -> top-p -> min-p -> draw
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vegaserve.engine.grammar import apply_masks
 from vegaserve.engine.request import SamplingParams, TokenLogprob
 
 # How many top tokens to try when a row has filters but no top-k that bounds them, widest last. On one CPU
@@ -34,6 +35,15 @@ _CANDIDATE_WIDTHS = (256, 4096)
 
 # Rows of prompt logprobs computed at once: log_softmax over T x V for a long prompt would hold T*V floats.
 _PROMPT_CHUNK = 256
+
+
+@dataclass
+class TokenMasks:
+    """The grammar masks of a step (engine/grammar.py): `bitmask` [batch, words] int32 on the logits' device,
+    read only at `rows`, the constrained rows; the other rows sample from every token."""
+
+    bitmask: Tensor
+    rows: list[int]
 
 
 @dataclass
@@ -54,13 +64,14 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        masks: TokenMasks | None = None,
     ) -> SampleResult:
         """Choose one token per row of `logits` [B, V] (float32).
 
         A generator must live on `logits.device`; None draws from torch's default generator.
         `logits` itself is never modified.
         """
-        tokens = self.draw(logits, params, prompt_ids, output_ids, generators)
+        tokens = self.draw(logits, params, prompt_ids, output_ids, generators, masks)
         return self.collect(logits, tokens, params)
 
     def draw(
@@ -70,9 +81,11 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        masks: TokenMasks | None = None,
     ) -> Tensor:
         """The chosen token of every row, int64 [B] on the logits' device, without waiting for it (a top-p
-        or min-p row may still wait once, to see whether its candidates suffice)."""
+        or min-p row may still wait once, to see whether its candidates suffice). `masks`: the grammar's
+        allowed tokens of the constrained rows."""
         batch = logits.shape[0]
         if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
             raise ValueError(
@@ -80,6 +93,10 @@ class Sampler:
                 f"{len(params)}, {len(prompt_ids)}, {len(output_ids)}, {len(generators)}"
             )
         adjusted = adjust_logits(logits, params, prompt_ids, output_ids)
+        if masks is not None and masks.rows:
+            if adjusted is logits:
+                adjusted = logits.clone()
+            apply_masks(adjusted, masks.bitmask, masks.rows)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         drawn = [i for i, p in enumerate(params) if not p.greedy]
