@@ -32,6 +32,7 @@ class AsyncEngine:
         self.max_model_len = core.max_model_len
         self.tokenizer = core.tokenizer
         self.chat_template = core.chat_template
+        self.grammars = core.grammars  # the server compiles requests' grammars with it, off the event loop
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -22,6 +22,7 @@ from vegaserve.engine.env import torchrun_rank
 from vegaserve.engine.executor import start_executor
 from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
+from vegaserve.engine.grammar import Grammars, MaskFiller
 from vegaserve.engine.launch import engine_shape, pick_device, plan_launch
 from vegaserve.engine.model_runner import ModelRunner, StepInFlight, StepOutput
 from vegaserve.engine.models.arch_config import arch_config_from_gguf
@@ -59,7 +60,9 @@ class EngineCore:
                                   torchrun_world=started[1] if started else 0)
         self.executor = start_executor(self.launch, self.device, self.gguf, show_progress)
         self.pool = BlockPool(num_blocks, bs)
-        self.runner = ModelRunner(self.executor, bs)
+        # constrained decoding: grammars compiled for this tokenizer (the server compiles on its threads too)
+        self.grammars = Grammars(self.tokenizer, self.arch.vocab_size)
+        self.runner = ModelRunner(self.executor, bs, MaskFiller(self.grammars.vocab_size))
         # hybrid models: a recurrent-state slot per running sequence (the workers hold n_seqs of them)
         self.states = StatePool(n_seqs) if self.arch.hybrid is not None else None
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)
@@ -100,6 +103,8 @@ class EngineCore:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id} is already in use")
         r = Request.from_generate(req, self.check(req))
+        if req.params.guide is not None:  # compiled already by the server: a cache hit
+            r.matcher = self.grammars.compile(req.params.guide).matcher()
         self.outputs.attach(r)
         self.requests[r.request_id] = r
         self.scheduler.add(r)
@@ -193,6 +198,7 @@ class EngineCore:
         """Stop the other ranks (if any). The engine serves nothing after this."""
         if self.spec is not None:
             self.spec.close()
+        self.runner.masks.close()
         self.executor.close()
 
     def forward_logits(self, token_ids: list[int], all_rows: bool = True) -> torch.Tensor:

@@ -2,6 +2,10 @@
 its KV cache live behind the executor (one process, or one per device).
 
 ScheduledBatch -> StepPlan -> executor (every rank: ForwardBatch, its layers) -> logits -> sampled tokens.
+
+Guided requests (constrained decoding, engine/grammar.py): their rows' masks are filled on a worker thread
+from the moment the step is launched (before the forward, so on a CPU too the fill runs beside it) and
+applied in the sampler; a step without guided rows starts nothing and passes no masks.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import torch
 
 from vegaserve.engine.executor import Executor
 from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.engine.grammar import MaskFiller, PendingMasks
 from vegaserve.engine.request import TokenLogprob
-from vegaserve.engine.sampling import Sampler
+from vegaserve.engine.sampling import Sampler, TokenMasks
 from vegaserve.engine.speculative import Verified, verify
 from vegaserve.engine.scheduler import ScheduledBatch
 
@@ -61,11 +66,12 @@ class ModelRunner:
     """execute(batch) = launch(batch).result(); the engine core may launch the next decode step between a
     step's draw() and its result() (async decode)."""
 
-    def __init__(self, executor: Executor, block_size: int) -> None:
+    def __init__(self, executor: Executor, block_size: int, masks: MaskFiller | None = None) -> None:
         self.executor = executor
         self.block_size = block_size
         self.sampler = Sampler()
         self.readback = TokenReadback()
+        self.masks = masks  # fills guided requests' masks; None: the engine serves no grammars
 
     @property
     def cache(self):
@@ -86,7 +92,11 @@ class ModelRunner:
         states = tuple(s.request.state_slot for s in batch.seqs)  # hybrid models: each one's recurrent-state slot
         plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size,
                         () if None in states else states)
-        return StepInFlight(self, batch, wants_prompt, self.executor.forward(plan, input_ids))
+        step = StepInFlight(self, batch, wants_prompt)
+        if input_ids is None:  # the guided requests' matchers have seen every token: fill beside the forward
+            step.start_masks()
+        step.logits = self.executor.forward(plan, input_ids)
+        return step
 
 
 class StepInFlight:
@@ -96,11 +106,14 @@ class StepInFlight:
     keeps what result() reads for logprobs, but prompt logprobs are read in result(), so a batch with prompt
     rows gets its result() before anything else is launched (it is no decode step: nothing follows it early)."""
 
-    def __init__(self, runner: ModelRunner, batch: ScheduledBatch, wants_prompt: list[bool], logits: torch.Tensor) -> None:
-        self.runner, self.batch, self.wants_prompt, self.logits = runner, batch, wants_prompt, logits
+    def __init__(self, runner: ModelRunner, batch: ScheduledBatch, wants_prompt: list[bool]) -> None:
+        self.runner, self.batch, self.wants_prompt = runner, batch, wants_prompt
+        self.logits: torch.Tensor | None = None  # set by launch once the forward is queued
         self.tokens: torch.Tensor | None = None
         # sampling sequences: plain ones draw a token from their last row, drafted ones verify their guesses
         self.sampling = [i for i, s in enumerate(batch.seqs) if s.samples and not s.drafts]
+        self.guided = [k for k, i in enumerate(self.sampling) if batch.seqs[i].request.matcher is not None]
+        self._masks: PendingMasks | None = None
         self.drafted = [i for i, s in enumerate(batch.seqs) if s.drafts]
         self.verified: list[Verified] | None = None
         self._rows: torch.Tensor | None = None  # the sampling rows' logits, kept by draw() for result()
@@ -109,6 +122,18 @@ class StepInFlight:
         # else its last
         self.row_ends = list(itertools.accumulate(len(s.tokens) if every or s.drafts else 1
                                                   for s, every in zip(batch.seqs, wants_prompt, strict=True)))
+
+    def start_masks(self) -> None:
+        """Start filling the guided rows' masks; their matchers must have taken every token sampled so far
+        (async decode: the step before has not been read yet when this step is launched, so draw() starts
+        the fill, after that step's update)."""
+        if self._masks is not None:
+            return
+        # a grammar that finished meanwhile (its request's extra async-decode token is dropped) has no mask
+        matcher = {k: self.batch.seqs[self.sampling[k]].request.matcher for k in self.guided}
+        self.guided = [k for k in self.guided if not matcher[k].finished]
+        if self.guided:
+            self._masks = self.runner.masks.start([matcher[k] for k in self.guided], self.guided, len(self.sampling))
 
     @torch.inference_mode()
     def draw(self) -> None:
@@ -128,8 +153,13 @@ class StepInFlight:
             self._rows = self.logits.clone() if asked else self.logits
         else:
             self._rows = self.logits[rows]
+        masks = None
+        if self.guided:
+            self.start_masks()
+        if self._masks is not None:
+            masks = TokenMasks(self._masks.wait(self._rows.device), self.guided)
         self.tokens = self.runner.sampler.draw(self._rows, [r.params for r in reqs], [r.prompt_ids for r in reqs],
-                                               [r.output_ids for r in reqs], [r.generator for r in reqs])
+                                               [r.output_ids for r in reqs], [r.generator for r in reqs], masks)
         if self.tokens.is_cuda:
             self._host = self.runner.readback.start(self.tokens)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from vegaserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from vegaserve.engine.request import FinishReason, RequestOutput, TokenLogprob
 from vegaserve.engine.scheduler import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class OutputProcessor:
         """Account for one sampled token (already appended to req.output_ids)."""
         st: OutputState = req.state
         p = req.params
+        if req.matcher is not None and self._grammar_ends(req, token):
+            return self._output(req, self._drain(st), [token], logprob, FinishReason.STOP)
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             # the stop token's own text is not part of the answer; text held back for stop strings is
             return self._output(req, self._drain(st), [token], logprob, FinishReason.STOP)
@@ -63,6 +68,15 @@ class OutputProcessor:
         if len(req.output_ids) >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
             return self._output(req, text + self._drain(st), [token], logprob, FinishReason.LENGTH)
         return self._output(req, text, [token], logprob, None)
+
+    def _grammar_ends(self, req: Request, token: int) -> bool:
+        """The matcher takes the token; a guided request ends when its grammar took a stop token (even
+        with ignore_eos: nothing may follow a finished grammar), or on a token the grammar refuses, which
+        the masks make impossible (its text is dropped, so the output still matches)."""
+        if not req.matcher.accept(token):
+            log.warning("request %s: token %d is outside its grammar; the request ends there", req.request_id, token)
+            return True
+        return req.matcher.finished
 
     @staticmethod
     def _drain(st: OutputState) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vegaserve.engine.grammar import Matcher
 from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.engine.state_pool import StatePool
@@ -48,6 +49,7 @@ class Request:
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     state: object = None  # output-side state (detokenizer, stop matcher), owned by the engine core
+    matcher: Matcher | None = None  # constrained decoding: its place in the grammar (engine/grammar.py)
 
     @classmethod
     def from_generate(cls, req: GenerateRequest, max_new_tokens: int) -> Request:

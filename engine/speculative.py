@@ -393,7 +393,8 @@ class Speculator:
         ks: list[int] = []
         for i, s in enumerate(batch.seqs):
             r = s.request
-            if not s.samples or len(s.tokens) != 1 or room <= 0:
+            # a guided request decodes plainly: each guess would need the grammar's mask at its position
+            if not s.samples or len(s.tokens) != 1 or room <= 0 or r.matcher is not None:
                 continue
             # every guess kept plus the target's token must stay within max_tokens (and so the context)
             k = min(self.k, r.max_new_tokens - len(r.output_ids) - 1, room)
