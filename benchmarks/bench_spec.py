@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 def _start(spec: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "vegaserve", "serve", "--port", str(port), "--spec-type", spec, *extra]
+    cmd = [sys.executable, "-m", "vegaserve.server", "serve", "--port", str(port), "--spec-type", spec, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
