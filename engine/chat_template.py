@@ -14,6 +14,7 @@ chose to call), so it is an InvalidRequestError with the reason.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -23,6 +24,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from vegaserve.engine.request import InvalidRequestError
+from vegaserve.engine.tokenizer import LITERAL
 
 # ChatML, for GGUFs without a template (llama-server's fallback too). Content must be a string or null.
 CHATML_TEMPLATE = (
@@ -71,10 +73,17 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# An ASCII-only dump writes the tokenizer's LITERAL mark (quoted control-token text in request strings) as a
+# \u escape; it is put back, or the control-token text inside would be read as the control token. An escape
+# preceded by an odd number of backslashes is text the user wrote, not a mark.
+_ESCAPED_LITERAL = re.compile(r"(?<!\\)((?:\\\\)*)" + re.escape(json.dumps(LITERAL)[1:-1]))
+
+
 def _tojson(
     value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return _ESCAPED_LITERAL.sub(lambda m: m.group(1) + LITERAL, text) if ensure_ascii else text
 
 
 def _environment() -> _Sandbox:
@@ -89,6 +98,8 @@ class ChatTemplate:
     """One compiled chat template and the special-token texts it may print."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        if not isinstance(source, str):
+            raise ValueError(f"tokenizer.chat_template: expected a string, got {type(source).__name__}")
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token

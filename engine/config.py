@@ -142,11 +142,16 @@ class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
     drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
+    header_timeout_s: float = 10.0  # a request's line and headers must arrive within this
+    body_timeout_s: float = 60.0  # ... and its body within this after them
+    special_tokens_in_content: bool = False  # True: control-token text in messages is parsed (llama-server)
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         _require(self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

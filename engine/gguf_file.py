@@ -1,16 +1,18 @@
 """A GGUF model on disk: metadata, tensor index, and raw tensor bytes under the three load modes.
 
-Parsing is gguf-py's `GGUFReader` (the format's own reader). Split models (`name-00001-of-0000N.gguf`) are
-opened part by part and seen as one file. Tensor bytes are handed out raw (uint8, canonical GGUF blocks);
-dequantizing or repacking them is the quant method's job.
+The header is parsed by engine/gguf_header.py, which checks every declared count, length and offset
+against the file's size first (gguf-py's `GGUFReader` trusts them: a crafted header made it allocate without
+end); gguf-py still supplies the format's constants. Split models (`name-00001-of-0000N.gguf`) are opened part
+by part and seen as one file. Tensor bytes are handed out raw (uint8, canonical GGUF blocks); dequantizing or
+repacking them is the quant method's job.
 
 Load modes (llama-server's `-lm`):
   mmap  tensors are zero-copy views of the mapped file (pages come in on first touch);
   read  each tensor is read with plain reads into its own buffer;
   dio   O_DIRECT reads, aligned, into aligned buffers: no page cache. The file system may refuse O_DIRECT
         (tmpfs, some overlays); then we say so once and fall back to `read`.
-GGUFReader maps the file to parse the header in every mode; in `read` and `dio` no tensor page of that
-map is ever touched.
+The file is mapped to parse the header in every mode; in `read` and `dio` no tensor page of that map is
+ever touched.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import mmap
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from vegaserve.engine.config import LoadMode
+from vegaserve.engine.gguf_header import MAGIC, GGUFFormatError, Header, read_header
 
 log = logging.getLogger(__name__)
 
@@ -78,27 +81,62 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-class _Reader(gguf.GGUFReader):
-    """GGUFReader that names the tensor a truncated file cuts. gguf-py builds a view of every tensor while
-    parsing, so a short file fails there on a numpy reshape, before any check of ours could run."""
+# Hyperparameters that count or size something (`{arch}.<name>`): a damaged value would reach the model's
+# shapes and the memory plan, so it is refused here by name. llama.cpp reads them into 32-bit integers. Those in
+# _AT_LEAST_ONE size every layer; the others may be 0, and per-layer arrays (the head counts of hybrid models)
+# may hold 0 for layers without that part.
+_AT_LEAST_ONE = ("block_count", "context_length", "embedding_length", "vocab_size", "attention.head_count",
+                 "attention.head_count_kv", "attention.key_length", "attention.value_length")
+_SIZES = (*_AT_LEAST_ONE, "feed_forward_length", "rope.dimension_count", "attention.sliding_window", "expert_count",
+          "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length")
+_MAX_SIZE = 2**31 - 1
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        super().__init__(path, "r")
 
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
-        for field in fields:
-            _, name, _, dims, raw_dtype, offset = field.parts  # gguf-py's tensor-info layout
-            ggml_type = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
-            if end > size:
-                raise ModelLoadError(
-                    f"{self._path}: truncated file: tensor {bytes(name).decode(errors='replace')} ({ggml_type.name}, "
-                    f"shape {list(reversed(dims.tolist()))}) needs bytes up to {end} but the file has {size}"
-                )
-        super()._build_tensors(start_offs, fields)
+def _check_sizes(path: Path, metadata: dict[str, Any]) -> None:
+    arch = metadata.get("general.architecture")
+    if arch is not None and not isinstance(arch, str):
+        raise ModelLoadError(f"{path}: metadata key 'general.architecture': expected a string, got {arch!r}")
+    for name in _SIZES:
+        key = f"{arch}.{name}"
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        values = value if isinstance(value, list) else [value]
+        least = 1 if name in _AT_LEAST_ONE and not isinstance(value, list) else 0
+        # bool is an int to Python, not to a file that wrote a count
+        if not values or not all(type(v) is int and least <= v <= _MAX_SIZE for v in values):
+            shown = value if not isinstance(value, list) or len(value) <= 8 else f"{value[:8]}..."
+            raise ModelLoadError(f"{path}: metadata key {key!r}: expected a count in [{least}, {_MAX_SIZE}]"
+                                 f"{' (or one per layer)' if name not in _AT_LEAST_ONE[:4] else ''}, got {shown!r}")
+
+
+def _check_blocks(path: Path, metadata: dict[str, Any], tensors: Collection[str]) -> None:
+    """Every block the metadata declares has tensors (`blk.<i>.*`): a model's layers are built before their
+    weights are read, so a block count of 65536 in a one-block file took over 30 s to fail. A file
+    without tensors (vocabulary only) declares no weights to check."""
+    key = f"{metadata.get('general.architecture')}.block_count"
+    n_blocks = metadata.get(key)
+    if type(n_blocks) is not int or not tensors:
+        return
+    blocks = {int(b) for _, b, *_ in (name.split(".", 2) for name in tensors if name.startswith("blk."))
+              if b.isdecimal() and len(b) <= 9}
+    missing = min(set(range(len(blocks) + 1)) - blocks)
+    if missing < n_blocks:
+        raise ModelLoadError(f"{path}: metadata key {key!r}: {n_blocks} blocks, but the file has no tensor of "
+                             f"block {missing} (blk.{missing}.*)")
+
+
+def _read_part(part: Path) -> tuple[Header, np.memmap]:
+    """The checked header of one file and a read-only map of it (tensor pages come in on first touch)."""
+    with open(part, "rb") as f:
+        magic = f.read(4)
+    if magic != MAGIC:
+        raise ModelLoadError(f"{part}: not a GGUF file (magic bytes {magic!r}, expected {MAGIC!r})")
+    data = np.memmap(part, mode="r")
+    try:
+        return read_header(data, len(data)), data
+    except GGUFFormatError as e:
+        raise ModelLoadError(f"{part}: {e}") from None
 
 
 class GGUFFile:
@@ -112,35 +150,25 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: is a directory, expected a .gguf file")
         self.parts = split_parts(self.path)
         self.load_mode: LoadMode = load_mode
-        self._readers = []
-        for part in self.parts:
-            with open(part, "rb") as f:
-                magic = f.read(4)
-            if magic != b"GGUF":
-                raise ModelLoadError(f"{part}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-            try:
-                self._readers.append(_Reader(part))
-            except ModelLoadError:
-                raise
-            except Exception as e:  # gguf-py raises ValueError/IndexError/... on a damaged header
-                raise ModelLoadError(f"{part}: damaged or truncated GGUF header ({type(e).__name__}: {e})") from e
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._readers[0].fields.items():
-            if key.startswith("GGUF."):
-                continue
-            self.metadata[key] = field.contents()
+        headers, self._maps = zip(*(_read_part(part) for part in self.parts))
+        self.metadata: dict[str, Any] = dict(headers[0].metadata)
+        _check_sizes(self.parts[0], self.metadata)
         self.tensors: dict[str, TensorInfo] = {}
-        for i, reader in enumerate(self._readers):
-            for t in reader.tensors:
+        for i, header in enumerate(headers):
+            for t in header.tensors:
+                if t.name in self.tensors:
+                    first = self.parts[self.tensors[t.name].part]
+                    raise ModelLoadError(f"{self.parts[i]}: tensor {t.name} is also in {first}")
                 self.tensors[t.name] = TensorInfo(
                     name=t.name,
-                    type_id=int(t.tensor_type),
-                    type_name=t.tensor_type.name,
-                    shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                    n_bytes=int(t.n_bytes),
+                    type_id=t.type_id,
+                    type_name=gguf.GGMLQuantizationType(t.type_id).name,
+                    shape=tuple(reversed(t.dims)),
+                    n_bytes=t.n_bytes,
                     part=i,
-                    offset=int(t.data_offset),
+                    offset=header.data_offset + t.offset,
                 )
+        _check_blocks(self.parts[0], self.metadata, self.tensors)
         self._dio_ok = load_mode == "dio"
 
     @property
@@ -160,7 +188,7 @@ class GGUFFile:
         """The tensor's canonical bytes as a uint8 CPU tensor shaped [rows..., row_bytes]."""
         info = self.info(name)
         if self.load_mode == "mmap":
-            data = np.asarray(self._readers[info.part].data[info.offset : info.offset + info.n_bytes])
+            data = np.asarray(self._maps[info.part][info.offset : info.offset + info.n_bytes])
             buf = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
         elif self.load_mode == "dio" and self._dio_ok:
             buf = self._read_direct(info)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,10 +29,22 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: times guess j was kept
 
 
+# Runs a piece of tokenizing work that holds no GIL where the caller wants it (engine/tokenizer.py's encode).
+Runner = Callable[[Callable[[], Any]], Any]
+
+
 class TokenizerLike(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]: ...
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = True, runner: Runner | None = None
+    ) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
+    def quote_special(self, text: str) -> str:
+        """`text` with its control-token texts marked so that encode() reads them as plain text."""
+        ...
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of `text`, from its length alone (0: none known)."""
+        ...
 
     @property
     def vocab_size(self) -> int: ...

@@ -13,84 +13,52 @@ Unknown `model` or `pre` values raise ValueError naming them: a wrong pre-tokeni
 silently changes every prompt's tokens, which we prefer to refuse loudly. A missing `pre` (old
 conversions) means 'default', with a warning, as in llama.cpp.
 
-Encoding goes through `tokenizers`; decoding is ours: each id maps to the exact bytes it stands for
-(`token_bytes`), so decode, streaming and the byte-level/byte-fallback cases share one table.
+Metadata of the wrong type or shape (a token list of numbers, a merge naming no token) raises ValueError
+naming the key, as damaged files do.
+
+Encoding goes through `tokenizers`, with the GIL released while it runs (encode_batch: `encode` holds it,
+which froze the HTTP front for seconds on a large prompt); decoding is ours: each id maps to the exact bytes
+it stands for (`token_bytes`), so decode, streaming and the byte-level/byte-fallback cases share one table.
+
+Control-token text that came from a user is quoted: `quote_special` wraps each control-token text in LITERAL
+marks, and `encode` reads a quoted span as plain text while still matching the control tokens outside the
+marks. The chat route quotes request strings before the template renders them, so `<|im_start|>system`
+typed into a message stays text and the template's own turns stay control tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Encoding, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from vegaserve.engine.gguf_vocab import (
+    BYTE, CONTROL, UNKNOWN, USER_DEFINED, Vocab, effective_types, gpt2_merges, gpt2_pre_family, list_of, read_vocab,
+    spm_merges, stop_ids,
+)  # fmt: skip
+from vegaserve.engine.pre_tokenizers import word_splitter
+from vegaserve.engine.protocol import Runner
 
 log = logging.getLogger(__name__)
 
-# gguf.TokenType values, as stored in tokenizer.ggml.token_type.
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Text between two LITERAL marks is plain text to `encode`, whatever control-token text it spells. A lone
+# surrogate: no request text can hold one (server/body.py refuses them) and no template from a GGUF either
+# (UTF-8 cannot encode one), so a mark can only come from `quote_special`.
+LITERAL = "\udbff"
 
-# Contractions are spelled with explicit case classes rather than (?i:...) so that Unicode case folding
-# (e.g. the long s 'ſ' folding to 's') cannot make them match more than llama.cpp's do.
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-# gpt-4o as in its tokenizer.json. llama.cpp emulates \p{Lu}/\p{Ll} with [^a-z]/[^A-Z] because std::regex
-# lacks them, which groups non-ASCII letters differently; onig has the real classes, so we use them.
-_UPPERS, _LOWERS = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_GPT4O = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERS}*{_LOWERS}+{_CONTRACTIONS}?"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERS}+{_LOWERS}*{_CONTRACTIONS}?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# Each family is a chain of regexes applied in turn, each cutting the pieces of the one before; text a
-# regex does not match stays a piece of its own (llama.cpp's unicode_regex_split, Split "isolated").
-PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
-    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt2": (_GPT2,),
-    "starcoder": (r"\p{N}", _GPT2),  # every digit alone
-    "llama3": (_LLAMA3,),  # digits in runs of at most 3
-    "qwen2": (_QWEN2,),  # every digit alone, llama3's word rules
-    "gpt-4o": (_GPT4O,),
-}
-# `pre` value -> family, and whether merges are skipped for words that are whole tokens (llama.cpp's
-# ignore_merges, set for the llama3 family: their tokenizer.json says so).
-_PRE_FAMILIES: dict[str, tuple[str, bool]] = {
-    "default": ("default", False),
-    **{p: ("llama3", True) for p in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
-    **{p: ("starcoder", False) for p in ("smollm", "starcoder", "refact", "command-r", "codeshell")},
-    **{p: ("qwen2", False) for p in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2")},
-    **{p: ("gpt-4o", False) for p in ("gpt-4o", "llama4")},
-    **{p: ("gpt2", False) for p in ("gpt-2", "phi-2", "mpt", "olmo", "jais")},
-}
-KNOWN_PRE_VALUES = frozenset(_PRE_FAMILIES)
-
-
-def _word_splitter(family: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_REGEXES[family]]
-    )
-
-
-def split_words(text: str, pre: str) -> list[str]:
-    """The words a gpt2 vocab with this `tokenizer.ggml.pre` value cuts `text` into before merging."""
-    if pre not in _PRE_FAMILIES:
-        raise ValueError(f"unknown tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_PRE_FAMILIES))}")
-    return [w for w, _ in _word_splitter(_PRE_FAMILIES[pre][0]).pre_tokenize_str(text)]
-
-
-# Token texts that end a turn or the text (llama.cpp's end-of-generation names, less its FIM tokens,
-# which only end fill-in-the-middle completions).
-_END_OF_TURN_NAMES = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-    "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>", "<eos>",
-))  # fmt: skip
+# A byte-level BPE text longer than twice this is encoded in pieces of about this many characters. One Encoding
+# of an 8 MB text is two million tokens: building its ids list took 60 ms and releasing it 180 ms, each one call
+# holding the GIL, during which the HTTP front's /health and the engine's step loop wait; for a 1 MiB piece,
+# 11 and 34 ms. Not smaller: each piece is a return to the GIL for the low-priority thread that encodes it.
+PIECE_CHARS = 1 << 20
+# Where such a text can be cut without changing its tokens: at a space after a non-space. No regex of any `pre`
+# family matches a non-space followed by a space (a word takes a space only in front), so every family ends a
+# word there and starts the next at the space, whatever came before. (Python's \s is a superset of onig's.)
+_CUT = re.compile(r"(?<=\S) ")
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:
@@ -122,150 +90,44 @@ def _spm_token_bytes(text: str, token_type: int) -> bytes:
     return text.replace("▁", " ").encode()
 
 
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Every (left, right) split of a normal token into two normal tokens, best merged score first: BPE
-    then applies the best-scoring available merge first, as llama.cpp's SentencePiece loop does."""
-    score_of = {t: s for t, s, ty in zip(tokens, scores, types) if ty == NORMAL and t}
-    ranked: list[tuple[float, int, str, str]] = []
-    for piece, score in score_of.items():
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in score_of and right in score_of:
-                ranked.append((-score, k, left, right))
-    ranked.sort()
-    return [(left, right) for _, _, left, right in ranked]
-
-
-@dataclass(frozen=True)
-class _Vocab:
-    """What the metadata says, normalized: lists as Python lists, defaults as llama.cpp fills them."""
-
-    model: str
-    tokens: list[str]
-    types: list[int]
-    bos_id: int | None
-    eos_id: int | None
-    unk_id: int | None
-    add_bos: bool
-    add_eos: bool
-    add_space_prefix: bool
-    eot_ids: tuple[int, ...]
-
-
-def _read_vocab(md: Mapping[str, Any]) -> _Vocab:
-    model = md.get("tokenizer.ggml.model")
-    if model not in ("gpt2", "llama"):
-        raise ValueError(
-            f"unsupported tokenizer.ggml.model {model!r}; supported: 'gpt2' (BPE), 'llama' (SentencePiece)"
-        )
-    tokens = [str(t) for t in md["tokenizer.ggml.tokens"]]
-    n = len(tokens)
-    types = [int(t) for t in md.get("tokenizer.ggml.token_type", [NORMAL] * n)]
-    if len(types) < n:
-        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-
-    def token_id(key: str, default: int | None) -> int | None:
-        # An id outside the vocab is ignored, as llama.cpp does (with a warning there too).
-        for v in (md.get(f"tokenizer.ggml.{key}"), default):
-            if v is not None and 0 <= int(v) < n:
-                return int(v)
-        return None
-
-    spm = model == "llama"
-    bos, eos = token_id("bos_token_id", 1 if spm else None), token_id("eos_token_id", 2 if spm else None)
-    # Defaults as llama.cpp's: SentencePiece and the llama3 family add BOS unless the metadata says not.
-    llama3 = _PRE_FAMILIES.get(_pre_value(md), ("",))[0] == "llama3"
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", spm or llama3))
-    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    for flag, tid, what in ((add_bos, bos, "bos"), (add_eos, eos, "eos")):
-        if flag and tid is None:
-            raise ValueError(f"tokenizer.ggml.add_{what}_token is true but tokenizer.ggml.{what}_token_id is not set")
-    eot = tuple(i for i in (token_id("eot_token_id", None), token_id("eom_token_id", None)) if i is not None)
-    return _Vocab(
-        model=model,
-        tokens=tokens,
-        types=types[:n],
-        bos_id=bos,
-        eos_id=eos,
-        unk_id=token_id("unknown_token_id", 0 if spm else None),
-        add_bos=add_bos,
-        add_eos=add_eos,
-        # BPE vocabularies never prefix a space (llama.cpp ignores the key for them).
-        add_space_prefix=spm and bool(md.get("tokenizer.ggml.add_space_prefix", True)),
-        eot_ids=eot,
-    )
-
-
-def _pre_value(md: Mapping[str, Any]) -> str:
-    return str(md.get("tokenizer.ggml.pre") or "")
-
-
-def _gpt2_pre_family(md: Mapping[str, Any]) -> tuple[str, bool]:
-    """(regex family, ignore_merges) for the metadata's `pre` value."""
-    pre = _pre_value(md)
-    if not pre:
-        log.warning(
-            "GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer (tokens may differ from the "
-            "model's training; consider re-converting the model)"
-        )
-        pre = "default"
-    if pre not in _PRE_FAMILIES:
-        raise ValueError(f"unknown tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_PRE_FAMILIES))}")
-    return _PRE_FAMILIES[pre]
-
-
-def _gpt2_merges(md: Mapping[str, Any]) -> list[tuple[str, str]]:
-    if "tokenizer.ggml.merges" not in md:
-        raise ValueError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, which this GGUF lacks")
-    merges = []
-    for m in md["tokenizer.ggml.merges"]:
-        cut = m.find(" ", 1)  # from 1: a merge's left part may itself be a space
-        merges.append((m[:cut], m[cut + 1 :]))
-    return merges
-
-
-def _stop_ids(v: _Vocab) -> frozenset[int]:
-    """EOS, the metadata's eot/eom ids, and every token named like an end of turn (`<|im_end|>`,
-    `<|eot_id|>`, `<|endoftext|>`, ...) whatever its type: llama.cpp treats such a token typed normal as a
-    conversion bug and forces it to control, and so do we (`_effective_types`). When a vocab has both
-    `<|return|>` and `<|call|>` (gpt-oss's harmony format), `<|end|>` only closes a message, not the turn."""
-    named = {i for i, t in enumerate(v.tokens) if t in _END_OF_TURN_NAMES}
-    texts = {v.tokens[i] for i in named}
-    if {"<|return|>", "<|call|>"} <= texts:
-        named = {i for i in named if v.tokens[i] != "<|end|>"}
-    return frozenset(named | set(v.eot_ids) | ({v.eos_id} if v.eos_id is not None else set()))
-
-
-def _effective_types(v: _Vocab, stop_ids: frozenset[int]) -> list[int]:
-    types = list(v.types)
-    for i in stop_ids:
-        if types[i] in (NORMAL, UNUSED):
-            types[i] = CONTROL
-    return types
-
-
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Build with `Tokenizer.from_metadata`."""
 
     def __init__(self, md: Mapping[str, Any]) -> None:
-        v = _read_vocab(md)
-        self._vocab = v
-        self._stop_ids = _stop_ids(v)
-        self._types = _effective_types(v, self._stop_ids)
+        v = read_vocab(md)
+        self._vocab: Vocab = v
+        self._stop_ids = stop_ids(v)
+        self._types = effective_types(v, self._stop_ids)
         if v.model == "gpt2":
-            self.pre_family, self._ignore_merges = _gpt2_pre_family(md)
-            self._merges = _gpt2_merges(md)
+            self.pre_family, self._ignore_merges = gpt2_pre_family(md)
+            self._merges = gpt2_merges(md)
             normal_bytes = _gpt2_token_bytes
         else:
             self.pre_family, self._ignore_merges = "spm", False
-            scores = [float(s) for s in md.get("tokenizer.ggml.scores", [0.0] * len(v.tokens))]
-            self._merges = _spm_merges(v.tokens, scores, self._types)
+            scores = [float(s) for s in list_of(md, "tokenizer.ggml.scores", float, [0.0] * len(v.tokens))]
+            if len(scores) < len(v.tokens):
+                raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(v.tokens)} tokens")
+            self._merges = spm_merges(v.tokens, scores, self._types)
             normal_bytes = _spm_token_bytes
         self._bytes = [
             t.encode() if ty in (CONTROL, USER_DEFINED, UNKNOWN) else normal_bytes(t, ty)
             for t, ty in zip(v.tokens, self._types)
         ]
-        self._hf = self._build_hf(encode_special_tokens=False)
+        # control and unknown token texts -> their (first) id: what parse_special matches in text
+        self._special_ids: dict[str, int] = {}
+        for i, (t, ty) in enumerate(zip(v.tokens, self._types)):
+            if t and ty in (CONTROL, UNKNOWN):
+                self._special_ids.setdefault(t, i)
+        self._special_re: re.Pattern[str] | None = None  # built on first use
+        # An added token with a space inside could straddle a _CUT: then no text is cut
+        self._cuttable = v.model == "gpt2" and not any(
+            " " in t[1:] for t, ty in zip(v.tokens, self._types) if ty in (CONTROL, UNKNOWN, USER_DEFINED)
+        )
+        self._bound: tuple[int, bytes] | None = None  # _length_bound, computed on first use
+        try:
+            self._hf = self._build_hf(encode_special_tokens=False)
+        except Exception as e:  # tokenizers raises a bare Exception on a merge naming no token
+            raise ValueError(f"tokenizer.ggml.merges or tokens: the vocabulary does not build ({e})") from None
         self._hf_literal: HFTokenizer | None = None  # built on first parse_special=False call
 
     @classmethod
@@ -280,7 +142,7 @@ class Tokenizer:
         if v.model == "gpt2":
             hf = HFTokenizer(models.BPE(vocab=vocab, merges=self._merges, ignore_merges=self._ignore_merges))
             hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [_word_splitter(self.pre_family), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+                [word_splitter(self.pre_family), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
             )
         else:
             unk = v.tokens[v.unk_id] if v.unk_id is not None else None
@@ -305,22 +167,86 @@ class Tokenizer:
 
     # -- encode / decode ---------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = True, runner: Runner | None = None
+    ) -> list[int]:
         """Token ids of `text`. add_special_tokens adds BOS/EOS as the metadata's add_bos_token/add_eos_token
-        say; parse_special=False reads control tokens written in the text (`<|im_start|>`) as plain text."""
-        if parse_special:
-            hf = self._hf
+        say; parse_special=False reads control tokens written in the text (`<|im_start|>`) as plain text.
+        `runner(work)` runs the tokenizers call, which holds no GIL, where the caller wants it (the HTTP
+        front: a low-priority thread for a huge text); what holds the GIL stays in the calling thread."""
+        if parse_special and LITERAL in text:
+            ids = self._encode_quoted(text, runner)
         else:
-            if self._hf_literal is None:  # a benign race: two threads may both build it, both correct
-                self._hf_literal = self._build_hf(encode_special_tokens=True)
-            hf = self._hf_literal
-        ids = hf.encode(text, add_special_tokens=False).ids
+            ids = self._run(self._hf if parse_special else self._literal(), text, runner)
         if add_special_tokens:
             v = self._vocab
             if v.add_bos and v.bos_id is not None:
                 ids.insert(0, v.bos_id)
             if v.add_eos and v.eos_id is not None:
                 ids.append(v.eos_id)
+        return ids
+
+    def quote_special(self, text: str) -> str:
+        """`text` with each control-token text in it between LITERAL marks, so that `encode` reads it as plain
+        text; `text` itself when it holds none."""
+        if not self._special_ids:
+            return text
+        if self._special_re is None:  # longest first: at one position the longest text wins, as in tokenizers
+            texts = sorted(self._special_ids, key=len, reverse=True)
+            self._special_re = re.compile("|".join(re.escape(t) for t in texts))
+        return self._special_re.sub(lambda m: LITERAL + m.group(0) + LITERAL, text)
+
+    def _literal(self) -> HFTokenizer:
+        if self._hf_literal is None:  # a benign race: two threads may both build it, both correct
+            self._hf_literal = self._build_hf(encode_special_tokens=True)
+        return self._hf_literal
+
+    def _run(self, hf: HFTokenizer, text: str, runner: Runner | None) -> list[int]:
+        pieces = self._pieces(text)
+
+        # encode_batch releases the GIL while it works (encode does not); one piece per call keeps the work on
+        # this thread (a batch would spread over tokenizers' own pool, at its priority)
+        def work() -> list[Encoding | None]:
+            return [hf.encode_batch([piece], add_special_tokens=False)[0] for piece in pieces]
+
+        encodings = work() if runner is None else runner(work)
+        ids: list[int] = []
+        for i, encoding in enumerate(encodings):
+            assert encoding is not None
+            ids += encoding.ids  # builds a list: holds the GIL, as does releasing the Encoding
+            encodings[i] = encoding = None  # released piece by piece
+        return ids
+
+    def _pieces(self, text: str) -> list[str]:
+        """`text` cut at _CUT points into pieces of about PIECE_CHARS, encoded one by one to the same ids."""
+        if not self._cuttable or len(text) <= 2 * PIECE_CHARS:
+            return [text]
+        pieces, start = [], 0
+        while len(text) - start > 2 * PIECE_CHARS and (cut := _CUT.search(text, start + PIECE_CHARS)):
+            pieces.append(text[start : cut.start()])
+            start = cut.start()
+        pieces.append(text[start:])
+        return pieces
+
+    def _encode_quoted(self, text: str, runner: Runner | None) -> list[int]:
+        """Control tokens matched outside the LITERAL-marked spans only; everything between two matched
+        control tokens is one run of plain text, as `tokenizers` cuts the text at its added tokens."""
+        self.quote_special("")  # compiles the pattern
+        assert self._special_re is not None
+        ids: list[int] = []
+        run: list[str] = []
+        for i, piece in enumerate(text.split(LITERAL)):  # odd pieces were quoted
+            at = 0
+            for m in () if i % 2 else self._special_re.finditer(piece):
+                run.append(piece[at : m.start()])
+                if any(run):
+                    ids += self._run(self._literal(), "".join(run), runner)
+                run = []
+                ids.append(self._special_ids[m.group(0)])
+                at = m.end()
+            run.append(piece[at:])
+        if any(run):
+            ids += self._run(self._literal(), "".join(run), runner)
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -379,6 +305,35 @@ class Tokenizer:
     def add_space_prefix(self) -> bool:
         """True when decoding the start of a text drops one leading space (SentencePiece vocabs)."""
         return self._vocab.add_space_prefix
+
+    def _length_bound(self) -> tuple[int, bytes]:
+        """(the most bytes of text one token stands for, the bytes no token stands for); (0, b"") where no
+        bound holds: a SentencePiece vocabulary without all 256 byte tokens folds any run of unknown
+        characters into one token. A gpt2 vocabulary lacking a byte's token drops that byte (SmolLM2 lacks
+        21, control characters and bytes UTF-8 never uses), so those bytes are not counted."""
+        if self._bound is None:
+            if self._vocab.model == "gpt2":
+                present = set(self._vocab.tokens)
+                dropped = bytes(sorted(b for c, b in _BYTE_OF_CHAR.items() if c not in present))
+                self._bound = (max(map(len, self._bytes)), dropped)
+            else:
+                byte_tokens = {b for b, ty in zip(self._bytes, self._types) if ty == BYTE and len(b) == 1}
+                self._bound = (max(map(len, self._bytes)), b"") if len(byte_tokens) == 256 else (0, b"")
+        return self._bound
+
+    def min_tokens(self, text: str) -> int:
+        """At least how many tokens `text` (quoted or not) encodes to, from its length in bytes alone; 0
+        where the vocabulary gives no such bound. Cheap: it lets a prompt too long for any context be refused
+        before it is tokenized."""
+        per_token, dropped = self._length_bound()
+        if not per_token:
+            return 0
+        if text.isascii():
+            n = len(text) - sum(text.count(chr(b)) for b in dropped if b < 0x80)
+        else:
+            data = text.encode("utf-8", "surrogatepass")
+            n = len(data) - 3 * text.count(LITERAL) - sum(data.count(b) for b in dropped)
+        return -(-n // per_token)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

@@ -25,6 +25,7 @@ import torch
 from vegaserve.engine.config import ConfigError, EngineConfig
 from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.request import GenerateRequest, SamplingParams
+from vegaserve.server.serve_cmd import load_core
 
 
 @dataclass
@@ -126,7 +127,7 @@ def run_bench(config: EngineConfig, n_prompt: list[int], n_gen: list[int], repet
         config = replace(config, cache=replace(config.cache, context_size=need))
     elif config.cache.context_size < need:
         raise ConfigError(f"-c {config.cache.context_size} is too small for these tests: they need {need} tokens")
-    core = EngineCore(config)
+    core = load_core(config)
     info = _describe(core)
     gen = torch.Generator().manual_seed(0 if config.seed is None else config.seed)
     print(_row([c for c, _, _ in _COLS]))

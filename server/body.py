@@ -10,20 +10,25 @@ the OpenAPI document for client generators and the fuzz tests.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from vegaserve.server.errors import ApiError, from_validation_error
+from vegaserve.server.errors import ApiError, ClientDisconnected, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
 
 
+class _NotJson(ValueError):
+    pass
+
+
 def _refuse_constant(name: str) -> Any:
     # Python's json accepts NaN and Infinity, which are not JSON and would reach the sampler as numbers.
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NotJson(f"{name} is not valid JSON")
 
 
 def _lone_surrogate(data: Any) -> str | None:
@@ -56,8 +61,13 @@ def decode_json(raw: bytes) -> Any:
         data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except ValueError as exc:
+    except _NotJson as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except ValueError:
+        # The only other ValueError json raises: an integer longer than Python converts (its message
+        # tells the client to call sys.set_int_max_str_digits, which is ours to know, not theirs).
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise ApiError(400, f"request body holds an integer of more than {limit} digits") from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply") from None
     # JSON lets an escape such as \ud800 stand alone, but no text can hold it: the tokenizer fails on it
@@ -76,8 +86,17 @@ def validate(model: type[M], data: Any) -> M:
         raise from_validation_error(exc) from None
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    return validate(model, decode_json(await request.body()))
+async def read_body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected("while sending its body") from None
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """The request body as `model`; CPU work that grows with the body, so the routes run it off the event
+    loop (server/offload.py)."""
+    return validate(model, decode_json(raw))
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,15 +1,20 @@
-"""POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> one choice, whole or streamed."""
+"""POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> one choice, whole or streamed.
+
+`prepare_chat` is the CPU part (parse, render, tokenize), run off the event loop; `create_chat_completion`
+drives the engine and answers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vegaserve.engine.protocol import EngineClient
-from vegaserve.engine.request import GenerateRequest, RequestOutput, TokenLogprob
-from vegaserve.server.body import json_response
+from vegaserve.engine.protocol import EngineClient, Runner
+from vegaserve.engine.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from vegaserve.server.body import json_response, parse_body
 from vegaserve.server.generation import Generation, collect
 from vegaserve.server.logprobs import chat_logprobs
 from vegaserve.server.metrics import ServerMetrics
@@ -29,13 +34,26 @@ from vegaserve.server.protocol import (
 from vegaserve.server.streaming import finish_reason, start_stream, usage_of
 
 
-async def create_chat_completion(
-    engine: EngineClient, metrics: ServerMetrics, http: Request, body: ChatCompletionRequest
-) -> Response:
+@dataclass(frozen=True)
+class PreparedChat:
+    body: ChatCompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def prepare_chat(engine: EngineClient, raw: bytes, quote_content: bool, runner: Runner | None = None) -> PreparedChat:
+    body = parse_body(raw, ChatCompletionRequest)
     check_model(engine, body.model)
-    prompt_ids = chat_prompt_ids(engine, body)
-    params = chat_sampling_params(engine, body, len(prompt_ids))
-    generation = Generation(engine, GenerateRequest(prompt_ids, params, new_id("chatcmpl")), metrics)
+    prompt_ids = chat_prompt_ids(engine, body.messages, body.tools, quote_content=quote_content, runner=runner)
+    return PreparedChat(body, prompt_ids, chat_sampling_params(engine, body, len(prompt_ids)))
+
+
+async def create_chat_completion(
+    engine: EngineClient, metrics: ServerMetrics, http: Request, prepared: PreparedChat
+) -> Response:
+    body, prompt_ids, params = prepared.body, prepared.prompt_ids, prepared.params
+    request = GenerateRequest(prompt_ids, params, new_id("chatcmpl"))
+    generation = Generation(engine, request, metrics, drain=http.app.state.drain)
     if body.stream:
         return await start_stream(
             http, generation, lambda first: _chunks(engine, body, generation, first, len(prompt_ids))

@@ -40,6 +40,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "api_key": ("server", "api_key"),
     "log_level": ("server", "log_level"),
     "drain_timeout": ("server", "drain_timeout_s"),
+    "header_timeout": ("server", "header_timeout_s"),
+    "timeout": ("server", "body_timeout_s"),
+    "special_tokens_in_content": ("server", "special_tokens_in_content"),
     "spec_type": ("speculative", "type"),
     "model_draft": ("speculative", "draft_model"),
     "draft_max": ("speculative", "draft_max"),
@@ -112,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ngram: the longest suffix looked up in the request's tokens (default 3)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    g.add_argument("--header-timeout", type=float, metavar="S", help="a request's line and headers must arrive "
+                   "within S seconds, or its connection is closed (default 10)")
+    g.add_argument("-to", "--timeout", type=float, metavar="S", help="a request's body must arrive within S seconds "
+                   "of its headers, or it is answered 408 (default 60)")
+    g.add_argument("--special-tokens-in-content", action="store_const", const=True, help="read control-token text "
+                   "in messages (<|im_start|>, ...) as the control tokens, as llama-server does (default: plain text)")
 
     ppl = sub.add_parser("perplexity", help="llama-perplexity's measurement on a text file")
     _model_flags(ppl)

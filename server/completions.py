@@ -1,15 +1,20 @@
-"""POST /v1/completions: the legacy API, prompt text or token ids in, text out, with echo and logprobs."""
+"""POST /v1/completions: the legacy API, prompt text or token ids in, text out, with echo and logprobs.
+
+`prepare_completion` is the CPU part (parse, tokenize), run off the event loop; `create_completion` drives
+the engine and answers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vegaserve.engine.protocol import EngineClient
-from vegaserve.engine.request import GenerateRequest, RequestOutput, TokenLogprob
-from vegaserve.server.body import json_response
+from vegaserve.engine.protocol import EngineClient, Runner
+from vegaserve.engine.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from vegaserve.server.body import json_response, parse_body
 from vegaserve.server.generation import Generation, collect
 from vegaserve.server.logprobs import LegacyLogprobs, merge
 from vegaserve.server.metrics import ServerMetrics
@@ -57,13 +62,26 @@ class _Echo:
         return self.logprobs.add(out.token_ids, entries)
 
 
-async def create_completion(
-    engine: EngineClient, metrics: ServerMetrics, http: Request, body: CompletionRequest
-) -> Response:
+@dataclass(frozen=True)
+class PreparedCompletion:
+    body: CompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def prepare_completion(engine: EngineClient, raw: bytes, runner: Runner | None = None) -> PreparedCompletion:
+    body = parse_body(raw, CompletionRequest)
     check_model(engine, body.model)
-    prompt_ids = completion_prompt_ids(engine, body)
-    params = completion_sampling_params(engine, body, len(prompt_ids))
-    generation = Generation(engine, GenerateRequest(prompt_ids, params, new_id("cmpl")), metrics)
+    prompt_ids = completion_prompt_ids(engine, body, runner)
+    return PreparedCompletion(body, prompt_ids, completion_sampling_params(engine, body, len(prompt_ids)))
+
+
+async def create_completion(
+    engine: EngineClient, metrics: ServerMetrics, http: Request, prepared: PreparedCompletion
+) -> Response:
+    body, prompt_ids, params = prepared.body, prepared.prompt_ids, prepared.params
+    generation = Generation(engine, GenerateRequest(prompt_ids, params, new_id("cmpl")), metrics,
+                            drain=http.app.state.drain)
     echo = _Echo(engine, body, prompt_ids)
     if body.stream:
         return await start_stream(http, generation, lambda first: _chunks(engine, body, generation, echo, first))

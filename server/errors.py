@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vegaserve.engine.request import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError
@@ -25,7 +26,16 @@ _MAX_LISTED_PROBLEMS = 3  # enough to fix a request; a long list of union branch
 
 
 class ClientDisconnected(Exception):
-    """The client went away before the response was ready; nobody reads what we answer."""
+    """The client went away before the response was ready; nobody reads what we answer. The message says
+    when ("while sending its body", ...) for the one log line it gets."""
+
+
+class ServerShuttingDown(EngineDeadError):
+    """The drain timed out with this request still running (server/serve_cmd.py): it ends with a 503, or
+    with an error event where a stream already started."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down and stopped this request; retry on another instance")
 
 
 class ApiError(Exception):
@@ -39,6 +49,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,17 +57,23 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.close = close  # answer with Connection: close (a request body left unread, a server going away)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.close:
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_engine_error(exc: EngineError) -> ApiError:
-    # Order matters: ContextLengthError is an InvalidRequestError with its own code.
+    # Order matters: ContextLengthError is an InvalidRequestError with its own code, and ServerShuttingDown
+    # an EngineDeadError with its own.
+    if isinstance(exc, ServerShuttingDown):
+        return ApiError(503, str(exc), type="service_unavailable_error", code="shutting_down", close=True)
     if isinstance(exc, ContextLengthError):
         return ApiError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
@@ -99,8 +116,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, (ValidationError, RequestValidationError))
         return from_validation_error(exc).response()
 
-    async def on_client_gone(_: Request, exc: Exception) -> Response:
-        # 499 is nginx's "client closed request"; it only shows in access logs.
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # One line, not a traceback: a client that leaves is ordinary. The 499 (nginx's "client closed
+        # request") reaches no one, and uvicorn writes no access line for a connection that is gone.
+        when = str(exc) or ("while sending its body" if isinstance(exc, ClientDisconnect) else "before the response")
+        logger.info("%s %s from %s: the client went away %s", request.method, request.url.path, _peer(request), when)
         return Response(status_code=499)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -124,6 +144,11 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(ClientDisconnected, on_client_gone)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)  # Starlette's, from reading the body
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "an unknown client"
 
 
 class CatchAllMiddleware:

@@ -4,10 +4,15 @@
 engine's iterator and calls `engine.abort`, shielded from the cancellation that usually triggers it (a
 client disconnect cancels the task that was reading outputs). `until_disconnect` lets a route that is not
 streaming yet notice the client leaving, since nothing is being sent that could fail.
+
+A shutdown whose drain timed out cuts the requests still running (`Drain.cut`): each wait for the engine's
+next output also waits on the cut, which raises ServerShuttingDown, so a stream ends with an error event and
+`[DONE]` and a plain request with a 503, instead of being cancelled under the server's feet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -17,8 +22,9 @@ from starlette.requests import Request
 
 from vegaserve.engine.protocol import EngineClient
 from vegaserve.engine.request import EngineError, GenerateRequest, RequestOutput
-from vegaserve.server.errors import ClientDisconnected
+from vegaserve.server.errors import ClientDisconnected, ServerShuttingDown
 from vegaserve.server.metrics import RequestMetrics, ServerMetrics
+from vegaserve.server.middleware import Drain
 
 logger = logging.getLogger("vegaserve.server")
 
@@ -32,7 +38,9 @@ _CLEANUP_TIMEOUT_S = 10.0
 class Generation:
     """The outputs of one GenerateRequest; iterate it, and always `await close()` at the end."""
 
-    def __init__(self, engine: EngineClient, request: GenerateRequest, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: EngineClient, request: GenerateRequest, metrics: ServerMetrics, drain: Drain | None = None
+    ) -> None:
         self.request = request
         self._engine = engine
         self._timer: RequestMetrics = metrics.track()
@@ -41,6 +49,10 @@ class Generation:
         self._failed = False  # the engine raised: it has ended the request itself, nothing to abort
         self._closed = False
         self.last: RequestOutput | None = None
+        self._drain = drain
+        self._cut: asyncio.Event | None = drain.cut_event() if drain is not None else None
+        self._cut_wait: asyncio.Future[bool] | None = None  # one waiter on the cut for the request's life
+        self._step: asyncio.Future[RequestOutput] | None = None  # the wait for the engine's next output
 
     @property
     def request_id(self) -> str:
@@ -53,7 +65,9 @@ class Generation:
         if self.finished or self._closed:
             raise StopAsyncIteration
         try:
-            out = await self._outputs.__anext__()
+            out = await (self._outputs.__anext__() if self._cut is None else self._next_unless_cut(self._cut))
+        except ServerShuttingDown:
+            raise
         except EngineError:
             self._failed = True
             raise
@@ -62,12 +76,32 @@ class Generation:
         self.finished = out.finished
         return out
 
+    async def _next_unless_cut(self, cut: asyncio.Event) -> RequestOutput:
+        if self._cut_wait is None:
+            self._cut_wait = asyncio.ensure_future(cut.wait())
+        step = self._step = asyncio.ensure_future(self._outputs.__anext__())
+        try:
+            await asyncio.wait((step, self._cut_wait), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not step.done():  # cut, or this task cancelled: the engine's iterator ends (and aborts)
+                step.cancel()
+        if not step.done():
+            raise ServerShuttingDown
+        return step.result()
+
     async def close(self) -> None:
         """Idempotent. Aborts the request in the engine unless it finished or the engine failed it."""
         if self._closed:
             return
         self._closed = True
+        if self._cut_wait is not None:
+            self._cut_wait.cancel()
+        if self._drain is not None and self._cut is not None:
+            self._drain.forget(self._cut)
         with anyio.move_on_after(_CLEANUP_TIMEOUT_S, shield=True) as scope:
+            if self._step is not None and not self._step.done():
+                # a cancelled wait for the engine is still running its iterator; it ends at its next step
+                await asyncio.wait((self._step,))
             if self.finished:
                 await self._run_to_end()
             aclose = getattr(self._outputs, "aclose", None)

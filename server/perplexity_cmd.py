@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from vegaserve.engine.config import ConfigError, EngineConfig
-from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.perplexity import PerplexityResult, perplexity
+from vegaserve.server.serve_cmd import load_core
 
 
 def run_perplexity(config: EngineConfig, text_file: Path, max_chunks: int | None) -> int:
@@ -17,7 +17,7 @@ def run_perplexity(config: EngineConfig, text_file: Path, max_chunks: int | None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{text_file}: cannot read the text: {e}") from e
     n_ctx = config.cache.context_size or 512
-    core = EngineCore(config)
+    core = load_core(config)
     tok = core.tokenizer
     tokens = tok.encode(text, add_special_tokens=False, parse_special=False)
     if max_chunks:

@@ -1,7 +1,14 @@
 """From a validated OpenAI request to the engine's GenerateRequest: prompt token ids + SamplingParams.
 
 Everything that can be refused before the engine sees the request is refused here with a message that
-names the field: the model name, token ids outside the vocabulary, a prompt that fills the context.
+names the field: the model name, token ids outside the vocabulary, a prompt that fills the context (one whose
+length in bytes alone proves it is refused before it is tokenized). All of it is CPU work that grows with the
+request, so the routes run it off the event loop (server/offload.py).
+
+Control-token text in what a client sends (`<|im_start|>system` typed into a message) is plain text: every
+request string the chat template may print is quoted first (`tokenizer.quote_special`), so only the
+template's own control tokens become control ids. `quote_content=False` keeps llama-server's behaviour, where
+such text becomes the control token (`--special-tokens-in-content`).
 A max_tokens larger than the room the prompt leaves is clamped to that room (llama-server and vLLM's
 behaviour; clients routinely send one fixed max_tokens whatever the prompt), and the request finishes
 with finish_reason "length" when the context is full.
@@ -9,10 +16,13 @@ with finish_reason "length" when the context is full.
 
 from __future__ import annotations
 
-from vegaserve.engine.protocol import EngineClient
+from collections.abc import Callable
+from typing import Any
+
+from vegaserve.engine.protocol import EngineClient, Runner
 from vegaserve.engine.request import ContextLengthError, InvalidRequestError, SamplingParams
 from vegaserve.server.errors import ApiError
-from vegaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from vegaserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 
 def check_model(engine: EngineClient, requested: str | None) -> None:
@@ -31,27 +41,67 @@ def check_token_ids(engine: EngineClient, ids: list[int], field: str) -> None:
         raise ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=field)
 
 
-def chat_prompt_ids(engine: EngineClient, request: ChatCompletionRequest) -> list[int]:
-    messages = [m.for_template() for m in request.messages]
+def _quoted(value: Any, quote: Callable[[str], str]) -> Any:
+    """`value` with every string in it (dictionary keys too) quoted."""
+    if isinstance(value, str):
+        return quote(value)
+    if isinstance(value, list):
+        return [_quoted(v, quote) for v in value]
+    if isinstance(value, dict):
+        return {_quoted(k, quote): _quoted(v, quote) for k, v in value.items()}
+    return value
+
+
+def check_prompt_fits(engine: EngineClient, text: str) -> None:
+    """Refuses, before tokenizing it, a prompt whose length alone proves it fills the context."""
+    least = engine.tokenizer.min_tokens(text)
+    if least >= engine.max_model_len:
+        raise ContextLengthError(
+            f"the prompt has at least {least} tokens but the model's context is {engine.max_model_len} tokens, "
+            "which leaves no room for output; shorten the prompt"
+        )
+
+
+def chat_prompt_ids(
+    engine: EngineClient,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    *,
+    quote_content: bool,
+    add_generation_prompt: bool = True,
+    check_fits: bool = True,
+    runner: Runner | None = None,
+) -> list[int]:
+    rendered = [m.for_template() for m in messages]
+    if quote_content:
+        quote = engine.tokenizer.quote_special
+        rendered = [{k: v if k == "role" else _quoted(v, quote) for k, v in m.items()} for m in rendered]
+        tools = _quoted(tools, quote)
     try:
-        prompt = engine.chat_template.render(messages, add_generation_prompt=True, tools=request.tools)
+        prompt = engine.chat_template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
     except InvalidRequestError:
         raise
+    except RecursionError:
+        raise ApiError(400, "the messages are nested too deeply to render", param="messages") from None
     except Exception as exc:
         # Templates reject conversations they cannot render (roles out of order, ...) by raising;
         # that is a fault of the request, and the template's own message says which.
         raise ApiError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+    if check_fits:
+        check_prompt_fits(engine, prompt)
     # The rendered template already writes BOS where this model wants it, so no special tokens are
     # added here (a second BOS changes the output of many models); special-token text the template
-    # wrote (<|im_start|>, ...) must become the special ids, hence parse_special.
-    return engine.tokenizer.encode(prompt, add_special_tokens=False, parse_special=True)
+    # wrote (<|im_start|>, ...) must become the special ids, hence parse_special (quoted text stays text).
+    return engine.tokenizer.encode(prompt, add_special_tokens=False, parse_special=True, runner=runner)
 
 
-def completion_prompt_ids(engine: EngineClient, request: CompletionRequest) -> list[int]:
+def completion_prompt_ids(engine: EngineClient, request: CompletionRequest, runner: Runner | None = None) -> list[int]:
     prompt = request.prompt
     if isinstance(prompt, str):
-        # A raw prompt has no template to write BOS, so the tokenizer adds what the model expects.
-        ids = engine.tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
+        check_prompt_fits(engine, prompt)
+        # A raw prompt has no template to write BOS, so the tokenizer adds what the model expects. The
+        # legacy API's prompt is the whole prompt, control tokens included, as the client wrote it.
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=True, parse_special=True, runner=runner)
     else:
         ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # the validator left list[int]
         check_token_ids(engine, ids, "prompt")
@@ -89,7 +139,7 @@ def sampling_params(
         top_k=request.top_k or 0,
         top_p=1.0 if request.top_p is None else request.top_p,
         min_p=request.min_p or 0.0,
-        seed=request.seed,
+        seed=None if request.seed == -1 else request.seed,  # llama-server's -1: a random seed
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,

@@ -1,6 +1,8 @@
 """The OpenAI wire format we serve, as pydantic v2 models.
 
-Requests ignore fields they do not know (the OpenAI SDKs send some we have no use for). Ranges that
+Requests ignore fields they do not know (the OpenAI SDKs send some we have no use for), and are strict about
+the types of those they know, as OpenAI's schema is: `"max_tokens": "2"` or `prompt: [true, false]` is a 400,
+not a 2 or [1, 0] (an integer is still a valid number where a float is asked for). Ranges that
 `SamplingParams` already checks (temperature, top_p, penalties, ...) are left to it, so each rule lives in
 one place; the models here check only the shape of the JSON and what the HTTP API itself limits (n,
 top_logprobs, legacy logprobs, suffix). Validation failures become 400s in `server/errors.py`.
@@ -34,7 +36,7 @@ def now() -> int:
 class _Request(BaseModel):
     # inf/nan never reach the engine: a JSON body cannot hold them anyway (our parser refuses the
     # non-standard NaN/Infinity literals), and this keeps direct construction honest too.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -51,7 +53,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # -1: a random seed, as in llama-server
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -102,7 +104,7 @@ class SamplingFields(_Request):
 class ChatMessage(BaseModel):
     # Extra keys (tool_calls, tool_call_id, reasoning_content, ...) are kept and handed to the chat
     # template, which is where models expect them; the template renders in a sandbox.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -313,20 +315,21 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(_Request):
-    """llama-server's /tokenize body."""
+    """llama-server's /tokenize body, or vLLM's chat form: `messages` (and `tools`) tokenized exactly as
+    /v1/chat/completions would tokenize them, template and all."""
 
-    content: str
+    content: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
     add_special: bool = False
     with_pieces: bool = False
 
-
-class TokenPiece(BaseModel):
-    id: int
-    piece: str | list[int]  # the text, or the raw bytes when they are not valid UTF-8 on their own
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int] | list[TokenPiece]
+    @model_validator(mode="after")
+    def _content_or_messages(self) -> TokenizeRequest:
+        if (self.content is None) == (self.messages is None):
+            raise ValueError("give either content (text) or messages (a chat), not both or neither")
+        return self
 
 
 class DetokenizeRequest(_Request):

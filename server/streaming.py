@@ -2,7 +2,9 @@
 
 A stream starts only once the engine has produced its first output, so a request the engine refuses
 (InvalidRequestError, ContextLengthError) still gets a proper 4xx instead of a 200 followed by an error
-event. After that, errors can only travel inside the stream, as an event in the error envelope.
+event. After that, errors can only travel inside the stream, as an event in the error envelope: an engine
+failure, or a shutdown that cut the stream at its drain timeout (server/generation.py); either way the
+stream still ends with `[DONE]`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ async def _events_then_done(events: AsyncIterator[str], generation: Generation) 
     except Exception:
         logger.exception("stream of %s failed", generation.request_id)
         yield json.dumps(ApiError(500, "internal server error", type="server_error").body())
+    except BaseException:  # cancelled, or closed at a yield: the client went away mid-stream
+        logger.info("stream of %s: the client went away", generation.request_id)
+        raise
     finally:
         # Closing here (not only in the background task) frees the engine's slot as soon as the
         # events stop, whatever stopped them: the end, an error, or a disconnect's cancellation.

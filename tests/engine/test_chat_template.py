@@ -14,6 +14,7 @@ import pytest
 
 from vegaserve.engine.chat_template import ChatTemplate
 from vegaserve.engine.request import InvalidRequestError
+from vegaserve.engine.tokenizer import LITERAL
 
 
 def smollm2_path() -> str:
@@ -137,3 +138,21 @@ def test_runtime_type_errors_in_a_template_are_invalid_requests() -> None:
 def test_template_that_does_not_compile_is_a_value_error_at_construction(source: str) -> None:
     with pytest.raises(ValueError, match="chat template does not compile"):
         ChatTemplate(source)
+
+
+@pytest.mark.parametrize("source", [["a list"], 7, b"bytes"], ids=["list", "int", "bytes"])
+def test_a_template_that_is_not_a_string_is_a_value_error_naming_the_key(source: Any) -> None:
+    with pytest.raises(ValueError, match="tokenizer.chat_template: expected a string"):
+        ChatTemplate(source)
+
+
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+def test_tojson_keeps_the_tokenizers_quote_marks_even_when_dumping_ascii_only(ensure_ascii: bool) -> None:
+    # A template that prints a tool definition with tojson must not turn quoted control-token text back into
+    # the control token: an ASCII-only dump would spell the marks as \udbff escapes, which are text.
+    quoted = LITERAL + "<|im_start|>" + LITERAL
+    out = ChatTemplate(f"{{{{ tools | tojson(ensure_ascii={ensure_ascii}) }}}}").render([], tools=[{"name": quoted}])
+    assert out.count(LITERAL) == 2 and "<|im_start|>" in out
+    # a backslash the user wrote before "udbff" stays text
+    written = ChatTemplate("{{ tools | tojson(ensure_ascii=true) }}").render([], tools=["\\udbff"])
+    assert LITERAL not in written and written == json.dumps(["\\udbff"])

@@ -303,10 +303,10 @@ def test_damaged_header_names_the_file(tiny: Path, tmp_path: Path, fraction: flo
     assert str(path) in str(e.value)
 
 
-def test_garbage_after_the_magic_is_a_damaged_header(tmp_path: Path) -> None:
+def test_garbage_after_the_magic_is_refused_at_the_version(tmp_path: Path) -> None:
     path = tmp_path / "garbage.gguf"
     path.write_bytes(b"GGUF" + np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
-    with pytest.raises(ModelLoadError, match="damaged or truncated GGUF header") as e:
+    with pytest.raises(ModelLoadError, match=r"version: GGUF version \d+ is not supported") as e:
         GGUFFile(path)
     assert str(path) in str(e.value)
 
@@ -354,6 +354,21 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(tiny: Path, tmp_path: P
     msg = str(e.value)
     assert str(path) in msg and "tensor blk.1.ffn_down.weight (Q8_0)" in msg
     assert str(list(wrong)) in msg and str([SPEC.hidden, SPEC.ffn]) in msg
+
+
+def test_a_block_count_past_the_files_blocks_is_refused_before_the_layers_are_built(tiny: Path, tmp_path: Path) -> None:
+    # 65536 layers were built (over 30 s) before the first missing weight was noticed
+    reader = gguf.GGUFReader(tiny)
+    value = reader.fields["llama.block_count"].parts[-1]
+    at = value.ctypes.data - reader.data.ctypes.data
+    data = bytearray(tiny.read_bytes())
+    data[at : at + value.nbytes] = (1 << 16).to_bytes(value.nbytes, "little")
+    path = tmp_path / "blocks.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as e:
+        engine_core(path)
+    assert str(e.value) == (f"{path}: metadata key 'llama.block_count': 65536 blocks, but the file has no tensor "
+                            f"of block {SPEC.n_layers} (blk.{SPEC.n_layers}.*)")
 
 
 def test_tiny_model_loads_through_the_model_loader(tiny: Path) -> None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vegaserve.engine.protocol import EngineStats
+from vegaserve.engine.tokenizer import LITERAL
 from vegaserve.engine.request import (
     ContextLengthError,
     EngineDeadError,
@@ -33,16 +34,28 @@ _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 
 class ByteTokenizer:
     vocab_size = 256 + len(SPECIALS)
+    max_token_bytes = max(map(len, SPECIALS))
 
-    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True, runner=None) -> list[int]:
+        if runner is not None:  # where the front asked the work to run (a low-priority thread)
+            runner(lambda: None)
         ids = [BOS] if add_special_tokens else []
-        pieces = _SPECIAL_RE.split(text) if parse_special else [text]
-        for piece in pieces:
-            if piece in SPECIALS and parse_special:
-                ids.append(SPECIALS[piece])
-            else:
-                ids.extend(piece.encode("utf-8"))
+        # text between two LITERAL marks (quote_special's) is plain text; a byte vocabulary has no merges,
+        # so encoding the spans one by one is the same as encoding the runs between control tokens
+        for i, span in enumerate(text.split(LITERAL)):
+            parse = parse_special and i % 2 == 0
+            for piece in _SPECIAL_RE.split(span) if parse else [span]:
+                if piece in SPECIALS and parse:
+                    ids.append(SPECIALS[piece])
+                else:
+                    ids.extend(piece.encode("utf-8"))
         return ids
+
+    def quote_special(self, text: str) -> str:
+        return _SPECIAL_RE.sub(lambda m: LITERAL + m.group(0) + LITERAL, text)
+
+    def min_tokens(self, text: str) -> int:
+        return -(-len(text.replace(LITERAL, "").encode("utf-8")) // self.max_token_bytes)
 
     def token_bytes(self, token_id: int) -> bytes:
         return _SPECIAL_TEXT[token_id].encode() if token_id in _SPECIAL_TEXT else bytes([token_id])

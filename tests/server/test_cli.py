@@ -57,6 +57,17 @@ def test_long_spellings_match_the_short_ones() -> None:
     assert short == long != EngineConfig()
 
 
+def test_the_fronts_timeouts_and_special_token_reading_land_in_the_server_config() -> None:
+    c = parse("serve", "-to", "5", "--header-timeout", "2.5", "--special-tokens-in-content", "--drain-timeout", "3")
+    s = c.server
+    assert (s.body_timeout_s, s.header_timeout_s, s.special_tokens_in_content, s.drain_timeout_s) == (5, 2.5, True, 3)
+    assert parse("serve", "--timeout", "5") == parse("serve", "-to", "5")
+    d = parse("serve").server
+    assert (d.body_timeout_s, d.header_timeout_s, d.special_tokens_in_content) == (60, 10, False)
+    with pytest.raises(ConfigError, match="body_timeout_s must be > 0"):
+        parse("serve", "-to", "0")
+
+
 @pytest.mark.parametrize(
     ("given", "split_mode"), [("row", "tensor"), ("tensor", "tensor"), ("layer", "layer"), ("none", "none")]
 )
