@@ -7,9 +7,11 @@ File format:
      "matvec": {"Q4_K": {"28672x4096": {"1": {"kernel": "pieces", "block_n": 16, ...}, "8": {...}},
                          "medium": {...}, "any": {"1": {"kernel": "pieces"}, "8": {"kernel": "int8"}}}},
      "matvec_canonical": {...},
-     "prefill": {"dense_from_m": 9, "scratch_dtype": "bfloat16"}}
+     "prefill": {"dense_from_m": 9, "scratch_dtype": "bfloat16"},
+     "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
 `matvec` holds the decode mat-vec of repacked weights, `matvec_canonical` of weights kept in GGUF's blocks
-(`--no-repack`). An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
+(`--no-repack`). `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
+and its launch parameters. An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
 leaves out come from the kernel's rule. Shape keys: the exact shape ("4096x14336", N x K) first, then its
 class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. Row counts 1..8 take the entry of the
 nearest measured count at or above them, else the largest. Without an entry: the backend's fallback.
@@ -30,11 +32,14 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 # blocks a program; prefill through the vendor GEMM on a dequantized scratch copy from 9 rows (49-90% of
 # cuBLAS, where an in-register Triton GEMM reached 4-7%), in bf16 on NVIDIA and in fp16 on gfx906 (its
 # fastest GEMM type; it has no bf16 units).
+# The AllReduce gate: 512 KiB, vLLM's bound for its one-shot AllReduce, until our own is measured on
+# several GPUs (the timing issue that follows issue 29); blocks of 1024 f32, 4 warps (4 waves on gfx906).
+_ALLREDUCE = {"gate_bytes": 512 * 1024, "block": 1024, "num_warps": 4}
 _FALLBACK: dict[str, dict[str, Any]] = {
     "cuda": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
-             "dense_from_m": 9, "scratch_dtype": "bfloat16"},
+             "dense_from_m": 9, "scratch_dtype": "bfloat16", "allreduce": _ALLREDUCE},
     "hip": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
-            "dense_from_m": 9, "scratch_dtype": "float16"},
+            "dense_from_m": 9, "scratch_dtype": "float16", "allreduce": _ALLREDUCE},
 }
 TABLES = ("matvec", "matvec_canonical")
 SHAPE_CLASSES = ("small", "medium", "large")
@@ -84,6 +89,11 @@ class Tuning:
     @property
     def scratch_dtype(self) -> str:
         return str(self.table.get("prefill", {}).get("scratch_dtype", _FALLBACK[self.backend]["scratch_dtype"]))
+
+    @property
+    def allreduce(self) -> dict[str, int]:
+        """The custom AllReduce's gate_bytes, block and num_warps: the file's where it sets them."""
+        return {**_FALLBACK[self.backend]["allreduce"], **self.table.get("allreduce", {})}
 
 
 def load_tuning(target: str | None = None, path: str | Path | None = None) -> Tuning:
