@@ -1,10 +1,15 @@
 """The one communicator interface: every collective and point-to-point transfer the model and the executor
-make goes through a `Communicator`, so the custom peer-write AllReduce (GGML_ENABLE_CUSTOM_AR) plugs in here.
+make goes through a `Communicator`.
 
     LocalCommunicator   one process: every collective is the identity, nothing is sent
     TorchCommunicator   torch.distributed: NCCL on NVIDIA, RCCL on ROCm (torch's "nccl" backend on both),
-                        gloo on CPU. Tensor traffic uses the device backend; step plans (small Python
-                        objects) go over a gloo group of their own, so a GPU collective never waits on pickling.
+                        gloo on CPU, for tensors; beside them
+                        - the step plans: through a ring in host shared memory (plan_ring.py) where every
+                          rank runs on one host, else over a gloo group of their own (a GPU collective
+                          never waits on pickling);
+                        - the AllReduce: the custom peer-write kernels (custom_allreduce.py) for messages
+                          the policy gives them (allreduce_policy.py), where they were asked for and every
+                          rank opened its peers' buffers; NCCL / RCCL / gloo otherwise.
 
 Groups: one tensor-parallel group per pipeline stage (ranks stage * tp .. stage * tp + tp - 1); pipeline
 transfers go from a lane to the same lane of the next stage.
@@ -14,11 +19,16 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from vegaserve.engine.distributed.allreduce_policy import (AllReduceSwitches, agree, choose, fallback_warning,
+                                                           refusal)
+from vegaserve.engine.distributed.plan_ring import PlanRing
 from vegaserve.engine.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -98,8 +108,10 @@ class LocalCommunicator(Communicator):
 
 
 class TorchCommunicator(Communicator):
-    def __init__(self, topo: Topology, rank: int, init_method: str, device: torch.device, gloo: bool = False) -> None:
-        """gloo: tensors over gloo even on GPUs (several ranks sharing one GPU, which NCCL refuses)."""
+    def __init__(self, topo: Topology, rank: int, init_method: str, device: torch.device, gloo: bool = False,
+                 allreduce: AllReduceSwitches = AllReduceSwitches()) -> None:
+        """gloo: tensors over gloo even on GPUs (several ranks sharing one GPU, which NCCL refuses).
+        allreduce: GGML_ENABLE_CUSTOM_AR and GGML_TP_AR_TWOSHOT."""
         self.topo = topo
         self.rank = rank
         self.device = device
@@ -121,9 +133,66 @@ class TorchCommunicator(Communicator):
             group = dist.new_group(ranks) if topo.tp > 1 else None
             if stage == self.stage:
                 self.tp_group = group
+        self.switches = allreduce
+        self.ring = self._open_plan_ring()
+        self.custom = self._open_custom_allreduce() if allreduce.custom else None
         log.debug("rank %d of %d up (%s, stage %d lane %d)", rank, topo.world_size, backend, self.stage, self.lane)
 
+    def _open_plan_ring(self) -> PlanRing | None:
+        """The step plans' ring, where every rank runs on this host; None (plans over gloo) elsewhere."""
+        world = self.topo.world_size
+        if world == 1:
+            return None
+        hosts: list[Any] = [None] * world
+        dist.all_gather_object(hosts, _host_id(), group=self.control)
+        if len(set(hosts)) > 1:
+            return None
+        ring, reason, name = None, None, [None]
+        try:
+            if self.rank == 0:
+                ring = PlanRing.create(world - 1)
+                name = [ring.name]
+        except OSError as exc:
+            reason = f"creating the ring: {exc}"
+        dist.broadcast_object_list(name, src=0, group=self.control)
+        try:
+            if self.rank != 0 and name[0] is not None:
+                ring = PlanRing.attach(name[0], self.rank - 1)
+        except (OSError, ValueError) as exc:
+            reason = f"attaching the ring: {exc}"
+        reason = agree(reason, self.control)  # after this every reader is attached, or none uses the ring
+        if ring is not None and ring.owner:
+            ring.unlink()
+        if reason is not None:
+            if ring is not None:
+                ring.close()
+            if self.rank == 0:
+                log.warning("step plans go over gloo: %s", reason)
+            return None
+        ring.check_peers()  # type: ignore[union-attr]
+        return ring
+
+    def _open_custom_allreduce(self) -> Any:
+        """The peer-write AllReduce's buffers (every rank, collectively), or None with one warning line."""
+        reason = refusal(self.device, self.tp)
+        custom = None
+        if reason is None:
+            from vegaserve.engine.distributed.custom_allreduce import open_custom_allreduce
+            from vegaserve.triton_kernels.tuning import load_tuning
+
+            params = load_tuning().allreduce
+            lanes = [self.topo.rank_of(self.stage, lane) for lane in range(self.tp)]
+            custom, reason = open_custom_allreduce(lanes, self.rank, self.device, params["gate_bytes"],
+                                                   params["block"], params["num_warps"], self.control)
+        if reason is not None and self.rank == 0:
+            log.warning(fallback_warning(reason, self.device))
+        return custom
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.custom is not None and t.is_contiguous():
+            variant = choose(self.tp, self.topo.pp, 4 * t.numel(), self.custom.max_bytes, self.switches.two_shot)
+            if variant != "device":
+                return self.custom.all_reduce(t, variant == "two_shot")
         if self.tp_group is not None:
             w = self._wire(t)
             dist.all_reduce(w, group=self.tp_group)
@@ -162,13 +231,34 @@ class TorchCommunicator(Communicator):
         return self._recv(shape, dtype, device, self.topo.rank_of(self.topo.pp - 1, 0), group=self.results)
 
     def broadcast_plan(self, plan: object | None = None) -> object:
+        if self.ring is not None:
+            if self.rank == 0:
+                self.ring.put(plan)
+                return plan
+            return self.ring.get()
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def close(self) -> None:
+        if self.custom is not None:
+            self.custom.close()
+            self.custom = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _host_id() -> str:
+    """This host, as the ranks on it see it: the name and the kernel's boot id (containers on one machine
+    share the boot id but not always /dev/shm; those refuse at attach)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 class _Sent:
