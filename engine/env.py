@@ -44,8 +44,10 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
 # The fork's switches whose feature vegaserve does not have yet: one set is warned about at start and
 # changes nothing. Not refused, because MI50 launch scripts export the fork's recommended environment.
 NOT_YET: dict[str, str] = {
-    "GGML_ENABLE_CUSTOM_AR": "the custom AllReduce is not implemented yet",
-    "GGML_TP_AR_TWOSHOT": "the one-shot / two-shot AllReduce choice is not implemented yet",
+    "GGML_ENABLE_CUSTOM_AR": "the custom AllReduce is not implemented yet in serving (its kernels wait for their "
+                             "GPU tests; NCCL's / RCCL's AllReduce runs)",
+    "GGML_TP_AR_TWOSHOT": "the one-shot / two-shot AllReduce choice is not implemented yet in serving (it belongs "
+                          "to the custom AllReduce)",
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "a choice of compute type for bf16 weights is not implemented yet",
     "LLAMA_ENABLE_MTP_OPT": "multi-token prediction is not implemented yet",
     "LLAMA_PLE_SHARD": "per-layer-embedding sharding is not implemented yet",
