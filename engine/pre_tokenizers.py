@@ -17,6 +17,9 @@ _LLAMA3 = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen3.5's: qwen2's, with combining marks kept inside words
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
 # gpt-4o as in its tokenizer.json. llama.cpp emulates \p{Lu}/\p{Ll} with [^a-z]/[^A-Z] because std::regex
 # lacks them, which groups non-ASCII letters differently; onig has the real classes, so we use them.
 _UPPERS, _LOWERS = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
@@ -32,6 +35,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "starcoder": (r"\p{N}", _GPT2),  # every digit alone
     "llama3": (_LLAMA3,),  # digits in runs of at most 3
     "qwen2": (_QWEN2,),  # every digit alone, llama3's word rules
+    "qwen35": (_QWEN35,),
     "gpt-4o": (_GPT4O,),
 }
 # `pre` value -> family, and whether merges are skipped for words that are whole tokens (llama.cpp's
@@ -41,6 +45,7 @@ PRE_FAMILIES: dict[str, tuple[str, bool]] = {
     **{p: ("llama3", True) for p in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
     **{p: ("starcoder", False) for p in ("smollm", "starcoder", "refact", "command-r", "codeshell")},
     **{p: ("qwen2", False) for p in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2")},
+    "qwen35": ("qwen35", False),
     **{p: ("gpt-4o", False) for p in ("gpt-4o", "llama4")},
     **{p: ("gpt2", False) for p in ("gpt-2", "phi-2", "mpt", "olmo", "jais")},
 }
