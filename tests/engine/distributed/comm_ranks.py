@@ -1,6 +1,6 @@
 """One rank of the multi-process communicator tests (test_allreduce_policy.py), run as a script:
 
-    python comm_ranks.py SCENARIO RANK WORLD PORT
+    python comm_ranks.py RANK WORLD PORT SCENARIO
 
 A TorchCommunicator on the CPU over gloo with the custom AllReduce asked for; 200 small step plans and
 one larger than a ring slot broadcast, an AllReduce, two agreements; one JSON line of what this rank saw.
@@ -32,7 +32,7 @@ class _Lines(logging.Handler):
 
 
 def main() -> None:
-    scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    rank, world, port, scenario = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     lines = _Lines()
     logging.getLogger("vegaserve").addHandler(lines)
     if scenario == "ring-refused" and rank == world - 1:

@@ -6,9 +6,6 @@ and the step plans travel through the shared-memory ring (or over gloo where a r
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,6 @@ from vegaserve.engine.distributed.allreduce_policy import choose, fallback_warni
 from vegaserve.triton_kernels.tuning import load_tuning
 
 GATE = 512 * 1024
-RANKS = Path(__file__).with_name("comm_ranks.py")
 
 
 @pytest.mark.parametrize(("tp", "pp", "variant"), [
@@ -57,27 +53,9 @@ def test_the_gate_and_launch_parameters_come_from_the_tuning_file_else_the_fallb
     assert load_tuning("cuda_sm90", f).allreduce == {"gate_bytes": 2 << 20, "block": 1024, "num_warps": 4}
 
 
-def _ranks(scenario: str, world: int = 3) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(RANKS), scenario, str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            p.kill()
-    return outs
-
-
 @pytest.fixture(scope="module")
-def cpu_ranks() -> list[dict]:
-    return _ranks("custom-on-cpu")
+def cpu_ranks(run_ranks) -> list[dict]:
+    return run_ranks("comm_ranks.py", 3, "custom-on-cpu")
 
 
 def test_asked_for_on_the_cpu_the_custom_allreduce_falls_back_to_gloo_with_one_warning(cpu_ranks) -> None:
@@ -98,7 +76,7 @@ def test_a_refusal_on_one_rank_is_every_ranks(cpu_ranks) -> None:
     assert [r["agree_planted"] for r in cpu_ranks] == ["rank 2: planted refusal"] * 3
 
 
-def test_a_rank_that_cannot_attach_the_ring_sends_every_rank_to_gloo() -> None:
-    ranks = _ranks("ring-refused")
+def test_a_rank_that_cannot_attach_the_ring_sends_every_rank_to_gloo(run_ranks) -> None:
+    ranks = run_ranks("comm_ranks.py", 3, "ring-refused")
     assert [(r["ring"], r["plans_ok"], r["sum_ok"]) for r in ranks] == [(False, True, True)] * 3
     assert ranks[0]["warnings"][0] == "step plans go over gloo: rank 2: attaching the ring: planted"

@@ -10,36 +10,17 @@ GPU, so 4 and 8 ranks on one GPU run fewer back-to-back calls than on a GPU each
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-RANKS = Path(__file__).with_name("custom_ar_ranks.py")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="peer buffers need GPUs")]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_custom_allreduce_on_gpus(world: int) -> None:
+def test_every_rank_gets_the_same_bits_of_the_sum_at_every_size_back_to_back_and_replayed(world, run_ranks) -> None:
     iters = 10_000 if world == 2 or torch.cuda.device_count() >= world else 2_000
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(world), str(port), str(iters)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=900)
-            assert p.returncode == 0, err[-4000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            p.kill()
+    outs = run_ranks("custom_ar_ranks.py", world, iters, timeout=900)
     for o in outs:
         assert o["reason"] is None, o["reason"]
         assert o["communicator_custom"]
