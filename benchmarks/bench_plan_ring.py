@@ -146,10 +146,10 @@ def main() -> None:
     ap.add_argument("--plans", type=int, default=100_000, help="plans in all, half step-timed, half streamed")
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=64)
-    ap.add_argument("--big", action="store_true", help="a 2048-token prefill plan (spans several slots)")
+    ap.add_argument("--big", action="store_true", help="a prefill plan of 8 x 256 tokens at 64k context (spans several slots)")
     ap.add_argument("--gloo", action="store_true", help="also time the gloo broadcast (fewer plans: it is slow)")
     args = ap.parse_args()
-    plan = make_plan(4, 512, 512) if args.big else make_plan(args.seqs, args.blocks)
+    plan = make_plan(8, 4096, 256) if args.big else make_plan(args.seqs, args.blocks)
     import pickle
 
     size = len(pickle.dumps((0, 0, plan), protocol=pickle.HIGHEST_PROTOCOL))
