@@ -1,8 +1,8 @@
-"""The peer-write AllReduce kernels (triton_kernels/allreduce.py) under the interpreter, W ranks in one
-process: each rank's buffer is host memory, its peers' addresses a table as the IPC mapping gives them.
-The interpreter runs one program at a time and a rank that waits on another would wait forever, so each
-phase (push, reduce, gather) runs on every rank in turn; on a GPU the phases run in one launch
-(tests/engine/distributed/test_custom_allreduce_gpu.py).
+"""The peer-write AllReduce kernels (triton_kernels/allreduce.py), W ranks in one process: each rank's
+buffer is memory of this process (host memory under the interpreter, one GPU's where there is one), its
+peers' addresses a table as the IPC mapping gives them. The interpreter runs one program at a time and a
+rank that waits on another would wait forever, so each phase (push, reduce, gather) runs on every rank in
+turn; the phases in one launch, ranks as processes, are in tests/engine/distributed/test_custom_allreduce_gpu.py.
 
 Every rank gets the same bits, the bits of the f32 sum in rank order (reference_all_reduce), within 1e-6 of
 the float64 sum; two-shot gives one-shot's bits; the epoch advances once a call, the one-shot halves
@@ -17,21 +17,23 @@ import triton.language as tl
 
 from vegaserve.triton_kernels import allreduce as ar
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class Ranks:
     """W ranks' buffers in host memory and the peers table (the same addresses for every rank)."""
 
     def __init__(self, world: int, max_elems: int, max_programs: int = 4) -> None:
         self.layout = ar.PeerLayout(world, max_elems, max_programs)
-        self.bufs = [torch.zeros(self.layout.nbytes // 4, dtype=torch.int32) for _ in range(world)]
-        self.peers = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.bufs = [torch.zeros(self.layout.nbytes // 4, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+        self.peers = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64, device=DEVICE)
 
     def all_reduce(self, parts: list[torch.Tensor], two_shot: bool, block: int = 128) -> list[torch.Tensor]:
-        xs = [p.clone() for p in parts]
+        xs = [p.to(DEVICE, copy=True) for p in parts]
         for phase in (ar.PUSH, ar.REDUCE, ar.GATHER) if two_shot else (ar.PUSH, ar.REDUCE):
             for r, x in enumerate(xs):
                 ar.all_reduce(x, self.peers, self.layout, r, two_shot, block=block, phases=phase)
-        return xs
+        return [x.cpu() for x in xs]
 
     def epochs(self) -> list[int]:
         return [int(b[0]) for b in self.bufs]
@@ -87,18 +89,18 @@ def test_the_epoch_advances_once_a_call_and_the_one_shot_halves_alternate() -> N
         assert [int(b[1]) for b in ranks.bufs] == [0, 0]  # arrivals reset by the last program
         if call % 2:  # one-shot: this call's partials in half call & 1, slot r of every rank
             half = lay.slots + (call & 1) * 2 * lay.max_elems
-            for b in ranks.bufs:
+            for b in (b.cpu() for b in ranks.bufs):
                 for r in range(2):
                     got = b[half + r * lay.max_elems: half + r * lay.max_elems + 200].view(torch.float32)
                     assert torch.equal(got, parts[r])
-            flags = ranks.bufs[0][lay.flags: lay.flags + 2 * 2]  # two programs (200 / 128): both flags of both
+            flags = ranks.bufs[0][lay.flags: lay.flags + 2 * 2].cpu()  # two programs (200 / 128): both flags of both
             assert flags.tolist() == [call] * 4
 
 
 def test_calls_across_the_int32_wrap_of_the_epoch_stay_right() -> None:
     ranks = Ranks(3, 256, max_programs=2)
     for b in ranks.bufs:
-        b[0] = 2**31 - 2
+        b[0] = 2**31 - 2  # the epoch word
     for call in range(3):
         parts = partials(3, 250, seed=100 + call)
         check(ranks.all_reduce(parts, two_shot=call == 1), parts)
@@ -122,8 +124,9 @@ def test_the_kernels_wait_test_agrees_with_the_epoch_arithmetic_across_the_wrap(
     n = triton.next_power_of_2(len(cases))
     flag = torch.cat([flag, flag.new_zeros(n - len(cases))])
     e = torch.cat([e, e.new_zeros(n - len(cases))])
-    out = torch.empty(n, dtype=torch.int32)
-    _behind_kernel[(1,)](flag, e, out, N=n)
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _behind_kernel[(1,)](flag.to(DEVICE), e.to(DEVICE), out, N=n)
+    out = out.cpu()
     want = [not ar.epoch_reached(f, x) for f, x in cases]
     assert [bool(v) for v in out[: len(cases)]] == want
     assert want == [True, False, False, True, False, True, True, False, False, True]
@@ -142,8 +145,8 @@ def test_the_regions_of_a_buffer_do_not_overlap_and_fit_it() -> None:
 def test_the_launcher_refuses_what_the_buffers_cannot_take() -> None:
     ranks = Ranks(2, 256)
     with pytest.raises(ValueError, match="257 elements; the peer buffers take 256"):
-        ar.all_reduce(torch.zeros(257), ranks.peers, ranks.layout, 0, False)
+        ar.all_reduce(torch.zeros(257, device=DEVICE), ranks.peers, ranks.layout, 0, False)
     with pytest.raises(ValueError, match="non-contiguous"):
-        ar.all_reduce(torch.zeros(16, 2)[:, 0], ranks.peers, ranks.layout, 0, False)
+        ar.all_reduce(torch.zeros(16, 2, device=DEVICE)[:, 0], ranks.peers, ranks.layout, 0, False)
     with pytest.raises(ValueError, match="rank in 0..1"):
-        ar.all_reduce(torch.zeros(16), ranks.peers, ranks.layout, 2, False)
+        ar.all_reduce(torch.zeros(16, device=DEVICE), ranks.peers, ranks.layout, 2, False)
