@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vegaserve.engine.request import GenerateRequest, RequestOutput
+from vegaserve.engine.request import GenerateRequest, GuideSpec, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,18 @@ class ChatTemplateLike(Protocol):
     ) -> str: ...
 
 
+class GrammarCompiler(Protocol):
+    def compile(self, spec: GuideSpec) -> Any:
+        """The compiled grammar (cached); InvalidRequestError naming what is wrong with it."""
+        ...
+
+
 class EngineClient(Protocol):
     model_name: str  # the id /v1/models lists and requests must name
     max_model_len: int  # context length in tokens
     tokenizer: TokenizerLike
     chat_template: ChatTemplateLike
+    grammars: GrammarCompiler  # compiles a request's GuideSpec (engine/grammar.py); the server calls it first
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's increments; the last one has finish_reason set.

@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> one choice, whole or streamed.
 
-`prepare_chat` is the CPU part (parse, render, tokenize), run off the event loop; `create_chat_completion`
-drives the engine and answers.
+`prepare_chat` is the CPU part (parse, check the tools and the output constraint and compile its grammar,
+render, tokenize), run off the event loop; `create_chat_completion` drives the engine and answers. The reply's
+text goes through the request's parsers (server/chat_reply.py) into content, reasoning_content and tool_calls,
+streamed as deltas by the same parsers, so both modes give the same message.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from starlette.responses import Response
 from vegaserve.engine.protocol import EngineClient, Runner
 from vegaserve.engine.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 from vegaserve.server.body import json_response, parse_body
+from vegaserve.server.chat_reply import ChatReply, delta_json, reply_parser
 from vegaserve.server.generation import Generation, collect
 from vegaserve.server.logprobs import chat_logprobs
 from vegaserve.server.metrics import ServerMetrics
@@ -32,6 +35,11 @@ from vegaserve.server.protocol import (
     now,
 )
 from vegaserve.server.streaming import finish_reason, start_stream, usage_of
+from vegaserve.server.structured import check_tools, compile_constraint, constraint, tool_constraint
+from vegaserve.server.errors import ApiError
+
+# a prompt's last tokens, enough to see whether the template left the reply inside a think block
+_PROMPT_TAIL_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -39,13 +47,35 @@ class PreparedChat:
     body: ChatCompletionRequest
     prompt_ids: list[int]
     params: SamplingParams
+    constrained_by: str | None = None  # the field whose grammar holds decoding, if any
 
 
 def prepare_chat(engine: EngineClient, raw: bytes, quote_content: bool, runner: Runner | None = None) -> PreparedChat:
     body = parse_body(raw, ChatCompletionRequest)
     check_model(engine, body.model)
-    prompt_ids = chat_prompt_ids(engine, body.messages, body.tools, quote_content=quote_content, runner=runner)
-    return PreparedChat(body, prompt_ids, chat_sampling_params(engine, body, len(prompt_ids)))
+    check_tools(body.tools, body.tool_choice)
+    own = constraint(body)
+    by_tools = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if own is not None and by_tools is not None:
+        raise ApiError(400, f"tool_choice {_choice_name(body)} constrains the reply, and so does {own[1]}: give one",
+                       param=own[1])
+    chosen = own or by_tools
+    guide = compile_constraint(engine, chosen)
+    prompt_ids = chat_prompt_ids(engine, body.messages, body.tools, quote_content=quote_content, runner=runner,
+                                 template_kwargs=body.chat_template_kwargs)
+    return PreparedChat(body, prompt_ids, chat_sampling_params(engine, body, len(prompt_ids), guide),
+                        chosen[1] if chosen else None)
+
+
+def _choice_name(body: ChatCompletionRequest) -> str:
+    return repr(body.tool_choice) if isinstance(body.tool_choice, str) else f"naming {body.tool_choice.function.name!r}"
+
+
+def _reply(engine: EngineClient, prepared: PreparedChat) -> ChatReply:
+    body = prepared.body
+    tail = engine.tokenizer.decode(prepared.prompt_ids[-_PROMPT_TAIL_TOKENS:])
+    source = getattr(engine.chat_template, "source", "")
+    return ChatReply(reply_parser(source, tail, body.tools, body.tool_choice, prepared.constrained_by))
 
 
 async def create_chat_completion(
@@ -54,22 +84,25 @@ async def create_chat_completion(
     body, prompt_ids, params = prepared.body, prepared.prompt_ids, prepared.params
     request = GenerateRequest(prompt_ids, params, new_id("chatcmpl"))
     generation = Generation(engine, request, metrics, drain=http.app.state.drain)
+    reply = _reply(engine, prepared)
     if body.stream:
         return await start_stream(
-            http, generation, lambda first: _chunks(engine, body, generation, first, len(prompt_ids))
+            http, generation, lambda first: _chunks(engine, body, generation, first, len(prompt_ids), reply)
         )
 
     outputs = await collect(http, generation)
     entries: list[TokenLogprob] = [e for out in outputs for e in (out.logprobs or ())]
     n_generated = sum(len(out.token_ids) for out in outputs)
+    reply.feed("".join(out.text for out in outputs))
+    reply.finish()
     response = ChatCompletionResponse(
         id=generation.request_id,
         model=engine.model_name,
         choices=[
             ChatChoice(
-                message=AssistantMessage(content="".join(out.text for out in outputs)),
+                message=AssistantMessage(**reply.message_fields()),
                 logprobs=chat_logprobs(engine.tokenizer, entries) if params.logprobs is not None else None,
-                finish_reason=finish_reason(outputs[-1]) if outputs else None,
+                finish_reason=reply.finish_reason(finish_reason(outputs[-1])) if outputs else None,
             )
         ],
         usage=usage_of(generation, len(prompt_ids), n_generated),
@@ -83,6 +116,7 @@ async def _chunks(
     generation: Generation,
     first: RequestOutput,
     prompt_len: int,
+    reply: ChatReply,
 ) -> AsyncIterator[str]:
     created = now()
     want_logprobs = body.num_logprobs() is not None
@@ -98,15 +132,21 @@ async def _chunks(
     out: RequestOutput | None = first
     while out is not None:
         n_generated += len(out.token_ids)
-        # Tokens that end mid-character bring no text yet; skip them unless they carry logprobs.
-        if out.text or out.finished or (want_logprobs and out.logprobs):
+        inc = reply.feed(out.text)
+        if out.finished:
+            inc += reply.finish()
+        # Tokens that end mid-character (or text a parser holds back) bring nothing yet; skip them unless
+        # they carry logprobs.
+        if inc or out.finished or (want_logprobs and out.logprobs):
             logprobs = chat_logprobs(engine.tokenizer, out.logprobs or ()) if want_logprobs else None
+            delta = ChatDelta(content=inc.content or None, reasoning_content=inc.reasoning or None,
+                              tool_calls=[delta_json(d) for d in inc.calls] or None)
             yield chunk(
                 [
                     ChatChunkChoice(
-                        delta=ChatDelta(content=out.text or None),
+                        delta=delta,
                         logprobs=logprobs,
-                        finish_reason=finish_reason(out),
+                        finish_reason=reply.finish_reason(finish_reason(out)),
                     )
                 ]
             )

@@ -14,7 +14,7 @@ from typing import Any
 
 from vegaserve.server.harmony import HarmonyParser
 from vegaserve.server.reasoning import OPEN, ThinkParser
-from vegaserve.server.structured import NamedToolChoice, ToolChoice
+from vegaserve.server.protocol import NamedToolChoice, ToolChoice
 from vegaserve.server.tool_calls import (
     ArrayCallParser, CallDelta, HermesParser, Increment, JsonCallParser, NamedCallParser, Parser, PlainParser,
     ToolCall, assemble, tool_format, tool_names,

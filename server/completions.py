@@ -29,6 +29,7 @@ from vegaserve.server.protocol import (
     now,
 )
 from vegaserve.server.streaming import finish_reason, start_stream, usage_of
+from vegaserve.server.structured import compile_constraint, constraint
 
 
 class _Echo:
@@ -72,8 +73,9 @@ class PreparedCompletion:
 def prepare_completion(engine: EngineClient, raw: bytes, runner: Runner | None = None) -> PreparedCompletion:
     body = parse_body(raw, CompletionRequest)
     check_model(engine, body.model)
+    guide = compile_constraint(engine, constraint(body))  # llama-server's json_schema / grammar, vLLM's guided_*
     prompt_ids = completion_prompt_ids(engine, body, runner)
-    return PreparedCompletion(body, prompt_ids, completion_sampling_params(engine, body, len(prompt_ids)))
+    return PreparedCompletion(body, prompt_ids, completion_sampling_params(engine, body, len(prompt_ids), guide))
 
 
 async def create_completion(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vegaserve.engine.protocol import EngineClient, Runner
-from vegaserve.engine.request import ContextLengthError, InvalidRequestError, SamplingParams
+from vegaserve.engine.request import ContextLengthError, GuideSpec, InvalidRequestError, SamplingParams
 from vegaserve.server.errors import ApiError
 from vegaserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
@@ -71,14 +71,19 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     check_fits: bool = True,
     runner: Runner | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """`template_kwargs`: the request's chat_template_kwargs, more variables for the template (enable_thinking)."""
     rendered = [m.for_template() for m in messages]
+    extra = dict(template_kwargs or {})
     if quote_content:
         quote = engine.tokenizer.quote_special
         rendered = [{k: v if k == "role" else _quoted(v, quote) for k, v in m.items()} for m in rendered]
         tools = _quoted(tools, quote)
+        extra = _quoted(extra, quote)
     try:
-        prompt = engine.chat_template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
+        prompt = engine.chat_template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **extra)
     except InvalidRequestError:
         raise
     except RecursionError:
@@ -118,6 +123,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    guide: GuideSpec | None = None,
 ) -> SamplingParams:
     """SamplingParams for a prompt of `prompt_len` tokens; max_tokens None, or more than the context has
     room for, means "up to the context"."""
@@ -149,18 +155,22 @@ def sampling_params(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        guide=guide,
     )
 
 
-def chat_sampling_params(engine: EngineClient, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+def chat_sampling_params(engine: EngineClient, request: ChatCompletionRequest, prompt_len: int,
+                         guide: GuideSpec | None = None) -> SamplingParams:
     return sampling_params(
-        engine, request, prompt_len, max_tokens=request.requested_max_tokens(), logprobs=request.num_logprobs()
+        engine, request, prompt_len, max_tokens=request.requested_max_tokens(), logprobs=request.num_logprobs(),
+        guide=guide,
     )
 
 
-def completion_sampling_params(engine: EngineClient, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+def completion_sampling_params(engine: EngineClient, request: CompletionRequest, prompt_len: int,
+                               guide: GuideSpec | None = None) -> SamplingParams:
     return sampling_params(
-        engine, request, prompt_len,
+        engine, request, prompt_len, guide=guide,
         max_tokens=request.max_tokens,
         logprobs=request.logprobs,
         # Echo with logprobs shows the prompt's logprobs too, as the legacy API did.

@@ -1,5 +1,5 @@
 """What a request asks its output to match, and which tools it offers: the request fields for constrained
-decoding and tool calls, checked and turned into the engine's GuideSpec.
+decoding and tool calls (server/protocol.py), checked and turned into the engine's GuideSpec.
 
 The constraint fields, one per request (two at once are a 400 naming both):
 
@@ -19,62 +19,15 @@ here, on the server's worker thread, so the engine's own compile is a cache hit.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from vegaserve.engine.request import GuideSpec, InvalidRequestError
 from vegaserve.server.errors import ApiError
+from vegaserve.server.protocol import NamedToolChoice, SamplingFields, ToolChoice
 from vegaserve.server.tool_calls import parameters_schema, required_schema
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-
-class JsonSchemaFormat(_Strict):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
-            raise ValueError("type json_schema needs json_schema.schema")
-        return self
-
-
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"] = "function"
-    function: FunctionName
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class ConstraintFields(_Strict):
-    """The constraint fields chat and completions share (the tool fields are chat's own)."""
-
-    response_format: ResponseFormat | None = None
-    json_schema: dict[str, Any] | None = None
-    grammar: str | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-
-def constraint(request: ConstraintFields) -> tuple[GuideSpec, str] | None:
+def constraint(request: SamplingFields) -> tuple[GuideSpec, str] | None:
     """The request's own constraint and the field that gave it; None if it sets none."""
     given: list[tuple[GuideSpec, str]] = []
     rf = request.response_format

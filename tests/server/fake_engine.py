@@ -15,6 +15,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vegaserve.engine.grammar import Grammars
 from vegaserve.engine.protocol import EngineStats
 from vegaserve.engine.tokenizer import LITERAL
 from vegaserve.engine.request import (
@@ -60,6 +61,13 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return _SPECIAL_TEXT[token_id].encode() if token_id in _SPECIAL_TEXT else bytes([token_id])
 
+    def is_special(self, token_id: int) -> bool:
+        return token_id in _SPECIAL_TEXT
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return frozenset({EOS})
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         kept = [t for t in ids if not (skip_special_tokens and t in _SPECIAL_TEXT)]
         return b"".join(self.token_bytes(t) for t in kept).decode("utf-8", errors="replace")
@@ -95,6 +103,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.tokenizer = ByteTokenizer()
         self.chat_template = TinyTemplate()
+        self.grammars = Grammars(self.tokenizer)  # compiles what requests constrain (the fake ignores it)
         self.token_delay_s = token_delay_s
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []

@@ -11,9 +11,9 @@ import pytest
 from vegaserve.engine.grammar import Grammars
 from vegaserve.server.chat_reply import ChatReply, delta_json, reply_parser
 from vegaserve.server.errors import ApiError
-from vegaserve.server.structured import (
-    ConstraintFields, NamedToolChoice, check_tools, compile_constraint, constraint, tool_constraint,
-)  # fmt: skip
+from vegaserve.server.protocol import NamedToolChoice
+from vegaserve.server.protocol import SamplingFields as ConstraintFields
+from vegaserve.server.structured import check_tools, compile_constraint, constraint, tool_constraint
 
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": {
