@@ -187,7 +187,8 @@ def keep_pace_once(base: str, chat_body: bytes, tokenize_body: bytes, expected_t
     assert results["chat"].status_code == 400 and results["chat"].json()["error"]["code"] == "context_length_exceeded"
     assert results["tokenize"].status_code == 200
     assert len(results["tokenize"].json()["tokens"]) == expected_tokens
-    assert len(during) >= 5, "too few tokens streamed while the bodies were in"
+    if len(during) < 5:  # a stalled front, or a machine too loaded to measure this time
+        return f"only {len(during)} gaps streamed in the {WINDOW_S:g} s window"
     if max(health) >= HEALTH_BOUND_S:
         return f"/health took {max(health) * 1000:.0f} ms"
     if statistics.median(during) > GAP_GROWTH * statistics.median(before):
