@@ -88,7 +88,7 @@ class Grammars:
                 compiled = compiler.compile_regex(spec.text)
             else:
                 compiled = compiler.compile_grammar(_choice_grammar(spec.text))
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the library refuses in request data is the request's fault
             raise InvalidRequestError(f"the {_WHAT[spec.kind]} does not compile: {_message(e)}") from None
         guide = Guide(spec, compiled)
         with self._lock:

@@ -2,8 +2,8 @@
 
 Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
 the flags given end up in the config tree, above the environment and the `--config` YAML file. A value of a
-feature not implemented yet (`--spec-type draft-mtp`) stops the start with one line saying so; `-ngl`, `-fa`
-and `--seed` are accepted for llama-server's launch lines and change nothing in serving (their help says why).
+feature not implemented yet (`--spec-type draft-mtp`) stops the start with one line saying so; `-ngl`, `-fa`,
+`--jinja` and `--seed` are accepted for llama-server's launch lines and change nothing in serving (their help says why).
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "its sampling repeatable")
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", help="accepted for compatibility and ignored: "
                    "attention is always fused")
+    g.add_argument("--jinja", action="store_true", default=None, help="accepted for compatibility and ignored: "
+                   "the GGUF's chat template always renders tools, and replies are read for calls and reasoning")
     g.add_argument("-sm", "--split-mode", choices=["none", "layer", "tensor", "row"], help="how to use several GPUs")
     g.add_argument("-tps", type=int, dest="tps", help="tensor-parallel group size inside -sm tensor (0: all GPUs)")
     g.add_argument("-ndev", "--n-devices", type=int, help="devices to split over (default: every visible GPU; "

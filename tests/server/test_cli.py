@@ -89,7 +89,7 @@ def test_different_key_and_value_cache_types_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["-ngl", "99"], ["--gpu-layers", "0"], ["-fa"], ["-fa", "off"], ["--spec-type", "none"]]
+    "argv", [["-ngl", "99"], ["--gpu-layers", "0"], ["-fa"], ["-fa", "off"], ["--spec-type", "none"], ["--jinja"]]
 )
 def test_compatibility_flags_change_nothing(argv: list[str]) -> None:
     assert parse("serve", *argv) == EngineConfig()
