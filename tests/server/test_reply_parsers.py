@@ -156,3 +156,30 @@ def test_tool_format_follows_the_template():
     assert tool_format("...<|channel|>analysis...") == "harmony"
     assert tool_format("{{- '<tool_call>' }}") == "hermes"
     assert tool_format("{{ messages }}") == "json"
+
+
+def test_harmony_reply_of_the_gpt_oss_test_model_parses_token_by_token():
+    """The markers are control tokens of gpt-oss's vocabulary: the reply is encoded with the tiny test model's
+    tokenizer and detokenized one token at a time, as the engine streams it."""
+    from pathlib import Path
+
+    from vegaserve.engine.detokenizer import IncrementalDetokenizer
+    from vegaserve.engine.gguf_file import GGUFFile
+    from vegaserve.engine.tokenizer import Tokenizer
+
+    gguf = GGUFFile(Path(__file__).resolve().parents[1] / "data" / "moe" / "gpt-oss-f32.gguf")
+    tok = Tokenizer.from_metadata(gguf.metadata)
+    assert "<|channel|>" in gguf.metadata["tokenizer.chat_template"]
+    reply = ("<|channel|>analysis<|message|>the name is in the<|end|><|start|>assistant<|channel|>commentary "
+             'to=functions.lookup <|constrain|>json<|message|>{"name": "as"}')
+    ids = tok.encode(reply, add_special_tokens=False, parse_special=True)
+    assert tok.encode("<|channel|>", add_special_tokens=False, parse_special=True) == [315]  # one control token
+    detok = IncrementalDetokenizer(tok)
+    parser = HarmonyParser()
+    out = Increment()
+    for i in ids:
+        out += parser.feed(detok.push(i))
+    out += parser.feed(detok.flush())
+    out += parser.finish()
+    assert out.reasoning == "the name is in the" and out.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in assemble(out.calls)] == [("lookup", {"name": "as"})]

@@ -112,3 +112,16 @@ def test_constraints_reach_the_engine_as_a_guide(client, engine):
     assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "get_weather"}
     client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert engine.requests[-1].params.guide is None
+
+
+def test_harmony_channels_split_whole_and_streamed(client, engine):
+    engine.chat_template = ChatTemplate(THINK_TEMPLATE + "{# <|channel|>final<|message|> #}")
+    engine.max_model_len = 512
+    reply = ("<|channel|>analysis<|message|>Simple arithmetic.<|end|><|start|>assistant<|channel|>final<|message|>"
+             "4")
+    body = {"messages": _scripted(reply), "max_tokens": 200}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Simple arithmetic.", "4")
+    choices = _stream(client, body)
+    assert "".join(c["delta"].get("reasoning_content") or "" for c in choices) == "Simple arithmetic."
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "4"
