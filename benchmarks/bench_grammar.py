@@ -90,9 +90,9 @@ def train_vocab(path: Path):
 
 def token_bytes(tok) -> tuple[list[bytes], list[int]]:
     """Every id's raw bytes (control tokens: empty) and the control ids."""
-    from tokenizers import pre_tokenizers
+    from vegaserve.engine.tokenizer import gpt2_byte_alphabet
 
-    alphabet = {c: b for b, c in enumerate(_byte_chars())}
+    alphabet = gpt2_byte_alphabet()
     vocab = tok.get_vocab()
     out = [b""] * len(vocab)
     specials = []
@@ -101,19 +101,7 @@ def token_bytes(tok) -> tuple[list[bytes], list[int]]:
             specials.append(i)
         else:
             out[i] = bytes(alphabet[c] for c in text)
-    del pre_tokenizers
     return out, sorted(specials)
-
-
-def _byte_chars() -> list[str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    char_of = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in char_of:
-            char_of[b] = chr(256 + extra)
-            extra += 1
-    return [char_of[b] for b in range(256)]
 
 
 def documents(n: int, seed: int = 0) -> list[str]:

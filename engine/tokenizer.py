@@ -61,7 +61,7 @@ PIECE_CHARS = 1 << 20
 _CUT = re.compile(r"(?<=\S) ")
 
 
-def _gpt2_byte_alphabet() -> dict[str, int]:
+def gpt2_byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, char -> byte: printable Latin-1 bytes stand for themselves, the other
     bytes (controls, space, ...) take the code points from 256 up, in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -74,7 +74,7 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
     return {c: b for b, c in char_of.items()}
 
 
-_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+_BYTE_OF_CHAR = gpt2_byte_alphabet()
 
 
 def _gpt2_token_bytes(text: str, token_type: int) -> bytes:
