@@ -171,7 +171,7 @@ class MaskFiller:
     def __init__(self, vocab_size: int, threads: int = 1) -> None:
         self.words = bitmask_words(vocab_size)
         self.threads = threads
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._pool: ThreadPoolExecutor | None = None  # started with the first guided step
         self._batch = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
@@ -187,6 +187,8 @@ class MaskFiller:
     def start(self, matchers: list[Matcher], rows: list[int], batch: int) -> PendingMasks:
         """Fill `matchers[i]`'s mask into row `rows[i]` of a [batch, words] bitmask (other rows: unused)."""
         host = self._buffer(batch)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return PendingMasks(self._pool.submit(self._fill, [m.impl for m in matchers], rows, host), rows)
 
     def _fill(self, impls: list[Any], rows: list[int], host: torch.Tensor) -> torch.Tensor:
@@ -198,7 +200,11 @@ class MaskFiller:
         return host
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Stop the worker thread; a later guided step starts a new one (an engine core may be driven again
+        after its loop closed it, as the tests do)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 class PendingMasks:

@@ -94,3 +94,11 @@ def test_async_decode_gives_guided_requests_the_same_outputs(core):
     assert _run(core, reqs, async_decode=True) == sync
     jsonschema.validate(json.loads(sync[0][1]), SCHEMA)
     assert len(sync[1][1]) == 10 and sync[1][2] is FinishReason.STOP
+
+
+def test_guided_requests_run_after_the_core_was_closed_once(core):
+    """An AsyncEngine's loop closes its core when it stops; the same core driven again still fills masks."""
+    core.runner.masks.close()
+    req = GenerateRequest(_chat(core, "Yes or no?"), SamplingParams(max_tokens=8, temperature=0,
+                                                                     guide=GuideSpec.choice(["yes", "no"])))
+    assert _run(core, [req])[0][1] in ("yes", "no")
