@@ -10,6 +10,7 @@ top_logprobs, legacy logprobs, suffix). Validation failures become 400s in `serv
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -174,6 +175,17 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         message["role"] = "system" if self.role == "developer" else self.role
         message["content"] = self.text() or ""
+        # OpenAI sends a call's arguments as JSON text; templates print them with `| tojson` (HF's convention
+        # is an object), which would encode the text a second time: they get the object, as vLLM gives them
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    args = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(args, dict):
+                    call["function"] = {**fn, "arguments": args}
         return message
 
 

@@ -125,3 +125,17 @@ def test_harmony_channels_split_whole_and_streamed(client, engine):
     choices = _stream(client, body)
     assert "".join(c["delta"].get("reasoning_content") or "" for c in choices) == "Simple arithmetic."
     assert "".join(c["delta"].get("content") or "" for c in choices) == "4"
+
+
+def test_tool_call_arguments_sent_back_reach_the_template_as_an_object(client, engine):
+    engine.chat_template = ChatTemplate(
+        "{% for m in messages %}<|{{ m.role }}|>{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}"
+        "{% endfor %}{{ m.content }}<|end|>{% endfor %}<|assistant|>")
+    engine.max_model_len = 512
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 1}).status_code == 200
+    prompt = engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
+    assert '<|assistant|>{"city": "Oslo"}<|end|>' in prompt
