@@ -33,7 +33,7 @@ def store_q8_1_blocks(xb, blk, live, q_ptr, d_ptr, s_ptr):
     """Quantize the blocks xb [B, 32] f32 into q8_1 block numbers blk [B] of the row at q_ptr, d_ptr,
     s_ptr; blocks where live [B] is false are not stored (a kernel's padding rows)."""
     e = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    d = tl.max(tl.abs(xb), axis=1) / 127.0
+    d = tl.div_rn(tl.max(tl.abs(xb), axis=1), tl.full([xb.shape[0]], 127.0, tl.float32))
     inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
     v = xb * inv[:, None]
     q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
