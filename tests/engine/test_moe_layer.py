@@ -35,7 +35,7 @@ def _layer(name: str, method, layer: int = 0) -> MoE:
 @pytest.mark.parametrize("tokens", [3, 12], ids=["decode", "grouped"])
 def test_the_gpu_method_gives_the_reference_layers_output(name, tokens):
     triton_moe = _layer(name, TritonMethod(gemm_dtype=torch.float32))
-    reference = _layer(name, ReferenceMethod())
+    reference = _layer(name, ReferenceMethod()).to(DEVICE)  # the reference dequantizes on the host
     assert triton_moe.gate_up.packed and reference.gate_up.weight is not None
     x = torch.randn(tokens, reference.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     want = reference(x)
