@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -326,6 +328,8 @@ def _hybrid_blocks(p: Preset, matrix, f32) -> None:
 
 _TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 _CHUNK_BYTES = 64 << 20
+_WORKERS = os.cpu_count() or 1
+_AHEAD = 2 * _WORKERS  # chunks drawn ahead of the writer
 
 
 def _row_bytes(t: PlannedTensor) -> int:
@@ -339,23 +343,35 @@ def _nbytes(t: PlannedTensor) -> int:
 
 class _StreamedTensor:
     """What GGUFWriter.write_tensor_data needs of an array (`nbytes`, `tofile`), generated chunk by chunk
-    while it is written, so that only one chunk is in memory."""
+    while it is written: chunks are drawn by the pool's threads (torch's generators release the GIL), each
+    from its own seed (the file's seed, the tensor's index, the chunk's), at most `_AHEAD` chunks in memory."""
 
-    def __init__(self, t: PlannedTensor, gen: torch.Generator, bar: tqdm) -> None:
-        self.t, self.gen, self.bar = t, gen, bar
+    def __init__(self, t: PlannedTensor, index: int, seed: int, pool: ThreadPoolExecutor, bar: tqdm) -> None:
+        self.t, self.index, self.seed, self.pool, self.bar = t, index, seed, pool, bar
         self.nbytes = _nbytes(t)
+
+    def _generator(self, chunk: int) -> torch.Generator:
+        state = np.random.SeedSequence([self.seed, self.index, chunk]).generate_state(2, np.uint64)
+        return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+    def _chunk(self, chunk: int, r0: int, n: int) -> np.ndarray:
+        t, gen = self.t, self._generator(chunk)
+        if t.around is not None:  # norms, biases, sinks, routers: F32, at most a few MB
+            return (t.around + 0.1 * torch.randn(math.prod(t.shape), generator=gen)).numpy().astype(np.float32)
+        tid = _TYPE_IDS[t.type_name]
+        return random_blocks(tid, n, t.shape[-1] // GGML_TYPES[tid].block_size, gen).numpy()
 
     def chunks(self) -> Iterator[np.ndarray]:
         t = self.t
-        if t.around is not None:  # norms, biases, sinks, routers: F32, at most a few MB
-            yield (t.around + 0.1 * torch.randn(math.prod(t.shape), generator=self.gen)).numpy().astype(np.float32)
-            return
-        rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # experts' matrices: E * rows rows
-        tid = _TYPE_IDS[t.type_name]
-        step = max(1, _CHUNK_BYTES // _row_bytes(t))
-        for r0 in range(0, rows, step):
-            n = min(step, rows - r0)
-            yield random_blocks(tid, n, cols // GGML_TYPES[tid].block_size, self.gen).numpy()
+        rows = 1 if t.around is not None else math.prod(t.shape[:-1])  # experts' matrices: E * rows rows
+        step = rows if t.around is not None else max(1, _CHUNK_BYTES // _row_bytes(t))
+        pending: deque[Future] = deque()
+        for chunk, r0 in enumerate(range(0, rows, step)):
+            pending.append(self.pool.submit(self._chunk, chunk, r0, min(step, rows - r0)))
+            if len(pending) >= _AHEAD:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
     def tofile(self, f: BinaryIO) -> None:
         for chunk in self.chunks():
@@ -444,11 +460,11 @@ def write_synth_gguf(
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    gen = torch.Generator().manual_seed(seed)
     total = sum(_nbytes(t) for t in plan)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress, file=sys.stderr) as bar:
-        for t in plan:
-            w.write_tensor_data(_StreamedTensor(t, gen, bar))  # type: ignore[arg-type]
+    with (tqdm(total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress, file=sys.stderr) as bar,
+          ThreadPoolExecutor(_WORKERS) as pool):
+        for i, t in enumerate(plan):
+            w.write_tensor_data(_StreamedTensor(t, i, seed, pool, bar))  # type: ignore[arg-type]
     w.close()
     return plan
 
