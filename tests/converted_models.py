@@ -40,6 +40,72 @@ def core(data: Path, name: str, variant: str = "f32", **sections) -> EngineCore:
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
+def gpu_core(data: Path, name: str, scratch: str, tmp: Path) -> EngineCore:
+    """`{name}-f32.gguf` on CUDA with an f32 KV cache: 4 sequences of 256 tokens, the prompt GEMMs' scratch in
+    `scratch` ("bfloat16": the shipped tuning file as it is; "float32": the same file with an f32 scratch, so that
+    only the kernels' own arithmetic differs from transformers')."""
+    from vegaserve.triton_kernels.tuning import load_tuning
+
+    shipped = load_tuning()
+    table = json.loads(Path(shipped.path).read_text()) if shipped.path else {}
+    table.setdefault("prefill", {})["scratch_dtype"] = scratch
+    tuning = tmp / f"tuning-{scratch}.json"
+    tuning.write_text(json.dumps(table))
+    cfg = {"model": {"path": str(data / f"{name}-f32.gguf")}, "cache": {"context_size": 256, "kv_dtype": "float32"},
+           "scheduler": {"max_num_seqs": 4}, "device": "cuda", "kernels": {"tuning_file": str(tuning)}}
+    return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+
+
+# The GPU path against transformers, per prompt-GEMM scratch type: each row's top-8 logits and the last row's
+# logits within `tol` relative, and the share of clear-margin rows (transformers' top-1/top-2 margin over 0.1)
+# whose argmax must agree. An f32 scratch leaves only the kernels' f32 arithmetic (1e-3); a bf16 scratch rounds
+# every prompt GEMM's operands to 8 bits of mantissa, which moves a tiny random model's logits by up to 5% and
+# flips an argmax whose margin is near 0.1 (one row in 125 on qwen35moe on an H100), so it is held to the
+# rate the issue asks of llama.cpp against transformers.
+GPU_TOLERANCES = {"float32": (1e-3, 1.0), "bfloat16": (5e-2, 0.99)}
+
+
+def check_gpu_path(engine: EngineCore, ref: dict, name: str, scratch: str) -> dict:
+    """Teacher-forced rows against transformers (GPU_TOLERANCES), then each prompt decoded greedily through
+    the decode graphs: its tokens equal transformers' as far as every row before them has a clear margin.
+    Returns the figures (printed by the tests)."""
+    tol, share = GPU_TOLERANCES[scratch]
+    vocab = ref["hf_config"]["vocab_size"]
+    agree = counted = compared = 0
+    worst = 0.0
+    flipped = []
+    for p in ref["prompts"]:
+        tops = p["transformers"]["top8"]
+        logits = engine.forward_logits(p["prompt_ids"] + p["greedy_ids"]).float().cpu()
+        for row, top in enumerate(tops):
+            ids = torch.tensor([i for i, _ in top])
+            worst = max(worst, rel(logits[row, ids], torch.tensor([v for _, v in top])))
+            margin = top[0][1] - top[1][1]
+            if margin > 0.1:
+                counted += 1
+                ok = int(logits[row].argmax()) == top[0][0]
+                agree += int(ok)
+                if not ok:
+                    flipped.append((row, round(margin, 4)))
+        worst = max(worst, rel(logits[-1], floats(p["transformers"]["last_logits_b64"], vocab)[0]))
+        clear = 0  # greedy tokens whose own row and every row before have a clear margin
+        for row in range(len(p["prompt_ids"]) - 1, len(tops)):
+            if tops[row][0][1] - tops[row][1][1] <= 0.1:
+                break
+            clear += 1
+        params = SamplingParams(max_tokens=len(p["greedy_ids"]), temperature=0.0, ignore_eos=True)
+        got = [t for out in engine.generate_sync(GenerateRequest(list(p["prompt_ids"]), params)) for t in out.token_ids]
+        assert got[:clear] == p["greedy_ids"][:clear], (name, scratch)
+        compared += clear
+    figures = {"name": name, "scratch": scratch, "worst_rel": worst, "agree": agree, "counted": counted,
+               "flipped_rows_margins": flipped, "greedy_compared": compared}
+    print(json.dumps(figures))
+    assert worst < tol, figures
+    assert counted > 50 and agree >= share * counted, figures
+    assert compared >= 8, figures
+    return figures
+
+
 def check_top8(logits: torch.Tensor, top8: list, tol: float, name: str) -> None:
     """Each row's logits at the reference's top 8 within `tol` relative."""
     for row, top in enumerate(top8):
