@@ -47,7 +47,7 @@ def gpu_core(data: Path, name: str, scratch: str, tmp: Path) -> EngineCore:
     from vegaserve.triton_kernels.tuning import load_tuning
 
     shipped = load_tuning()
-    table = json.loads(Path(shipped.path).read_text()) if shipped.path else {}
+    table = json.loads(Path(shipped.file).read_text()) if shipped.file else {}
     table.setdefault("prefill", {})["scratch_dtype"] = scratch
     tuning = tmp / f"tuning-{scratch}.json"
     tuning.write_text(json.dumps(table))
