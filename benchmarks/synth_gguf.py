@@ -20,12 +20,13 @@ Tokenizer: SmolLM2's vocabulary and chat template (read from the embedded model)
 tokens `<|pad_N|>` up to the preset's vocabulary size. tests/gguf_factory.py writes its tokenizer with the
 same function (`add_smollm2_tokenizer`).
 
-Memory and time: each matrix is generated and written row chunk by row chunk (about 64 MiB at a time), so
-a model never sits in memory; one thread generates about 250 MB/s of blocks: llama3-8b Q4_K_M (4.92 GB,
-65 F32 / 193 Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine. Full
-sizes: qwen3-30b-a3b Q4_K_M 17.28 GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB (the
-tensor bytes llama.cpp reports for the published files; qwen3-30b-a3b took 3.4 min on the same machine,
-at most 0.44 GB resident); gpt-oss-120b cut to 12 layers 20.44 GiB; qwen3.6-27b Q4_K_M 15.65 GiB
+Memory and time: each matrix is generated and written row chunk by row chunk (about 64 MiB each), drawn
+by one thread per core at most two chunks a thread ahead of the writer, so a model never sits in memory (2 GiB
+at most on 16 cores); one thread generates 160-300 MB/s of blocks: llama3-8b Q4_K_M (4.92 GB, 65 F32 / 193
+Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine with one thread, and
+qwen3-30b-a3b Q4_K_M 69 s on a 16-core GPU machine with a thread a core (one thread had written 95% of it in
+90 s). Full sizes: qwen3-30b-a3b Q4_K_M 17.28 GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB
+(the tensor bytes llama.cpp reports for the published files); gpt-oss-120b cut to 12 layers 20.44 GiB; qwen3.6-27b Q4_K_M 15.65 GiB
 (15.401 GiB without its MTP block, as llama.cpp prints the published file), qwen3.6-35b-a3b 20.21 GiB (19.70).
 """
 
