@@ -75,7 +75,8 @@ def _reply(engine: EngineClient, prepared: PreparedChat) -> ChatReply:
     body = prepared.body
     tail = engine.tokenizer.decode(prepared.prompt_ids[-_PROMPT_TAIL_TOKENS:])
     source = getattr(engine.chat_template, "source", "")
-    return ChatReply(reply_parser(source, tail, body.tools, body.tool_choice, prepared.constrained_by))
+    return ChatReply(reply_parser(source, tail, body.tools, body.tool_choice, prepared.constrained_by,
+                                  split_reasoning=body.reasoning_format != "none"))
 
 
 async def create_chat_completion(

@@ -44,9 +44,10 @@ class _Chain:
 
 
 def reply_parser(template_source: str, prompt_tail: str, tools: list[dict[str, Any]] | None,
-                 tool_choice: ToolChoice | None, constrained_by: str | None) -> Parser:
+                 tool_choice: ToolChoice | None, constrained_by: str | None, split_reasoning: bool = True) -> Parser:
     """`constrained_by`: the field whose grammar constrains decoding ("tool_choice" for required or a named
-    function), None when decoding is free."""
+    function), None when decoding is free. `split_reasoning` False (reasoning_format "none"): a `<think>`
+    block stays in the content."""
     if constrained_by == "tool_choice":
         if isinstance(tool_choice, NamedToolChoice):
             return NamedCallParser(tool_choice.function.name)
@@ -61,7 +62,7 @@ def reply_parser(template_source: str, prompt_tail: str, tools: list[dict[str, A
     calls: Parser = PlainParser()
     if offered:
         calls = HermesParser(names) if fmt == "hermes" else JsonCallParser(names)
-    if OPEN in template_source:
+    if OPEN in template_source and split_reasoning:
         return _Chain(ThinkParser.after(prompt_tail), calls)
     return calls
 

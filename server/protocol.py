@@ -199,6 +199,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, as OpenAI's default
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
+    # llama-server's field: "none" leaves a reply's <think>...</think> in content; "auto" and "deepseek" split it
+    # into reasoning_content (the default, where the template reasons). gpt-oss's channels are always split.
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

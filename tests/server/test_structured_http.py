@@ -49,6 +49,18 @@ def test_think_template_splits_reasoning_from_content_whole_and_streamed(client,
     assert choices[-1]["finish_reason"] == "stop"
 
 
+def test_reasoning_format_none_leaves_the_think_block_in_content_whole_and_streamed(client, think_engine):
+    text = "<think>\nThe user wants a city.\n</think>\n\nParis."
+    body = {"messages": _scripted(text), "max_tokens": 100, "reasoning_format": "none"}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message.get("reasoning_content") is None and message["content"] == text
+    choices = _stream(client, body)
+    assert "".join(c["delta"].get("content") or "" for c in choices) == text
+    assert not any(c["delta"].get("reasoning_content") for c in choices)
+    bad = client.post("/v1/chat/completions", json={**body, "reasoning_format": "hidden"})
+    assert bad.status_code == 400 and "reasoning_format" in bad.text
+
+
 def test_chat_template_kwargs_reach_the_template(client, think_engine):
     client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                               "chat_template_kwargs": {"enable_thinking": False}})
