@@ -88,6 +88,7 @@ class KernelConfig:
     q8_1_cache: bool = True  # GGML_CUDA_Q8_1_CACHE
     pdl: bool = True  # VEGASERVE_PDL: programmatic dependent launch of the decode kernels (sm_90+)
     shexp_split: bool = True  # LLAMA_SHEXP_SPLIT: a shared expert split over tensor-parallel lanes, not held whole
+    cpu_int4: bool = True  # VEGASERVE_CPU_INT4: Q4_0/Q4_1/Q8_0 through torch's int4 CPU kernel; off: f32 throughout
     tuning_file: str | None = None
 
 

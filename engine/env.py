@@ -37,6 +37,7 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
     "GGML_META_TOKEN_GRAPH": ("kernels", "token_graph", _flag),
     "GGML_CUDA_Q8_1_CACHE": ("kernels", "q8_1_cache", _flag),
     "VEGASERVE_PDL": ("kernels", "pdl", _flag),
+    "VEGASERVE_CPU_INT4": ("kernels", "cpu_int4", _flag),
     "LLAMA_SHEXP_SPLIT": ("kernels", "shexp_split", _flag),
     "VEGASERVE_ASYNC_DECODE": ("scheduler", "async_decode", _flag),
 }

@@ -58,7 +58,7 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
         tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache,
-        shared_split=cfg.kernels.shexp_split, comm=comm,
+        shared_split=cfg.kernels.shexp_split, comm=comm, cpu_int4=cfg.kernels.cpu_int4,
         layers=launch.stages[comm.stage],
     )
     return make_worker(launch, loaded.model, comm, device, show_progress)
@@ -193,7 +193,7 @@ def start_executor(launch: Launch, device: torch.device, gguf: GGUFFile, show_pr
         cfg = launch.config
         loaded = load_model(
             gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
-            tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache,
+            tuning_file=cfg.kernels.tuning_file, q8_1_cache=cfg.kernels.q8_1_cache, cpu_int4=cfg.kernels.cpu_int4,
         )
         return Executor(make_worker(launch, loaded.model, LocalCommunicator(), device, show_progress))
     workers = None if launch.torchrun else WorkerGroup(launch)

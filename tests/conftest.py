@@ -61,7 +61,8 @@ def smollm2_core():
     from vegaserve.engine.engine_core import EngineCore
 
     return EngineCore(
-        EngineConfig.from_dict({"cache": {"context_size": 1024}, "scheduler": {"max_num_seqs": 4}, "device": "cpu"}),
+        EngineConfig.from_dict({"cache": {"context_size": 1024}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
+                                "kernels": {"cpu_int4": False}}),
         show_progress=False,
     )
 

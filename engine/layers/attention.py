@@ -103,6 +103,10 @@ def paged_attention(
     return _with_q8_1(out, want_q8_1)
 
 
+# query rows a sequence brings that are attended one by one (speculation verifies at most draft_max + 1 = 17)
+_ROW_BY_ROW = 17
+
+
 def torch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     window: int = 0, sinks: torch.Tensor | None = None,
@@ -119,6 +123,14 @@ def torch_attention(
         qs = q[rows].transpose(0, 1)  # [H, n, D]
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
+        if 1 < s.n <= _ROW_BY_ROW and not window and sinks is None:
+            # a verify step's few rows each as the decode step computes it (its keys up to itself, no mask), so
+            # that speculation keeps greedy outputs token for token
+            for i in range(s.n):
+                out[s.offset + i] = F.scaled_dot_product_attention(
+                    qs[:, i : i + 1], ks[:, : s.start + i + 1], vs[:, : s.start + i + 1], scale=scale,
+                    enable_gqa=True).transpose(0, 1)[0]
+            continue
         mask = None
         if s.n > 1 or window:
             # query i sits at position start + i and sees keys 0 .. start + i (the last `window` of them)

@@ -8,7 +8,7 @@ import torch
 
 from vegaserve.engine.distributed.communicator import Communicator
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
-from vegaserve.engine.layers.linear import QuantMethod, ReferenceMethod, TritonMethod
+from vegaserve.engine.layers.linear import CPUMethod, QuantMethod, ReferenceMethod, TritonMethod
 from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_gguf
 from vegaserve.engine.models.hybrid import HybridModel
 from vegaserve.engine.models.llama import LlamaModel
@@ -35,17 +35,19 @@ class LoadedModel:
 
 
 def quant_method_for(device: torch.device, repack: bool, tuning_file: str | None = None,
-                     q8_1_cache: bool = True) -> QuantMethod:
-    """CPU: the torch references (dequantize once, f32 matmul); GPU: the Triton kernels on GGUF bytes."""
+                     q8_1_cache: bool = True, cpu_int4: bool = True) -> QuantMethod:
+    """CPU: CPUMethod (Q4_0, Q4_1 and Q8_0 through torch's int4 kernel, the rest dequantized once, f32
+    matmul), or with cpu_int4 off (VEGASERVE_CPU_INT4=0) ReferenceMethod throughout; GPU: the Triton kernels
+    on GGUF bytes."""
     if device.type == "cpu":
-        return ReferenceMethod(torch.float32)
+        return CPUMethod(torch.float32) if cpu_int4 else ReferenceMethod(torch.float32)
     return TritonMethod(repack=repack, tuning_file=tuning_file, q8_1_cache=q8_1_cache)
 
 
 def load_model(
     gguf: GGUFFile, device: torch.device, max_positions: int, show_progress: bool = True, repack: bool = True,
     tuning_file: str | None = None, comm: Communicator | None = None, layers: range | None = None,
-    q8_1_cache: bool = True, shared_split: bool = True,
+    q8_1_cache: bool = True, shared_split: bool = True, cpu_int4: bool = True,
 ) -> LoadedModel:
     """The model, or with `comm` one rank's share of it: the `layers` of its pipeline stage, sliced for its
     tensor-parallel lane (models/llama.py). q8_1_cache: the int8 mat-vecs share x's q8_1 copy (config
@@ -58,7 +60,8 @@ def load_model(
         )
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
-    model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache), max_positions, comm, layers, shared_split)
+    model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache, cpu_int4), max_positions, comm, layers,
+                shared_split)
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()

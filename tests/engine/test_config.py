@@ -167,6 +167,7 @@ ENV_CASES: dict[str, tuple[str, str, str, object]] = {
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
+    "VEGASERVE_CPU_INT4": ("0", "kernels", "cpu_int4", False),
     "LLAMA_SHEXP_SPLIT": ("0", "kernels", "shexp_split", False),
     "VEGASERVE_ASYNC_DECODE": ("0", "scheduler", "async_decode", False),
 }

@@ -150,3 +150,58 @@ def test_a_tuning_entry_its_kernel_cannot_serve_fails_the_model_load_naming_the_
     sources = _sources(torch.Generator().manual_seed(9), 256, [("Q5_K", 16)])
     with pytest.raises(ModelLoadError, match=r"t\.json.*names kernel 'int8', which does not serve Q5_K"):
         _layer(tmp_path, table, sources, 256)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def _int4_reference(x: torch.Tensor, sources: list[WeightSource], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What CPUMethod computes, in float64, and one bf16 ulp of each plane's output summed (the bound): each
+    block's scale and zero in bf16 as the kernel keeps them, x rounded to bf16, the codes exact, each plane's
+    product rounded to bf16 as the kernel returns it."""
+    from vegaserve.engine.layers.linear import _INT4_TYPES, _int4_planes
+
+    outs, ulps = [], []
+    for src in sources:
+        rows = src.info.shape[0]
+        planes = _int4_planes(src.info.type_id, src.raw.reshape(rows, k // 32, _INT4_TYPES[src.info.type_id]))
+        y, ulp = 0, 0
+        for codes, scale, zero in planes:
+            w = (codes.double() - 8) * _bf16(scale).repeat_interleave(32, 1) + _bf16(zero).repeat_interleave(32, 1)
+            exact = _bf16(x) @ w.T
+            y = y + _bf16(exact)
+            ulp = ulp + torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        outs.append(y)
+        ulps.append(ulp)
+    return torch.cat(outs, dim=1), torch.cat(ulps, dim=1)
+
+
+@pytest.mark.parametrize("mats", [[("Q4_1", 40)], [("Q4_0", 16), ("Q4_1", 24)], [("Q8_0", 37)],
+                                  [("Q4_1", 19), ("Q8_0", 13)], [("Q6_K", 16)]],
+                         ids=["q4_1", "q4_0+q4_1", "q8_0", "q4_1+q8_0", "q6_k-dequantized"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_the_cpu_method_multiplies_block_types_through_int4_planes(mats, m):
+    """Q4_0, Q4_1 and Q8_0 (two planes: 16 hi + lo) through torch's int4 kernel: every output within a bf16
+    ulp of the float64 product of the same bf16-rounded scales and activations, rounded to bf16 per plane; against
+    the dequantized f32 matrix, within the bf16 rounding (1e-2). Row counts not a multiple of 16 are padded;
+    other types stay dequantized f32."""
+    if not linear.CPUMethod.available:
+        pytest.skip("this torch has no _weight_int4pack_mm_for_cpu")
+    gen = torch.Generator().manual_seed(len(mats) * 10 + m)
+    k = 256
+    sources = [replace(s, raw=s.raw.cpu()) for s in _sources(gen, k, mats)]
+    layer = QuantLinear(k, [s.info.shape[0] for s in sources], linear.CPUMethod())
+    layer.load(sources, torch.device("cpu"))
+    exact = QuantLinear(k, [s.info.shape[0] for s in sources], linear.ReferenceMethod())
+    exact.load(sources, torch.device("cpu"))
+    x = torch.randn(m, k, generator=gen)
+    y, want = layer(x), exact(x).double()
+    assert y.shape == (m, layer.out_features) and y.dtype == torch.float32
+    if mats[0][0] == "Q6_K":
+        assert layer.int4 is None and torch.equal(y, exact(x))
+        return
+    assert layer.int4 is not None and len(layer.int4) == (2 if any(t == "Q8_0" for t, _ in mats) else 1)
+    ref, ulp = _int4_reference(x, sources, k)
+    assert bool(((y.double() - ref).abs() <= ulp + 1e-6).all())
+    assert float((y.double() - want).norm() / want.norm()) < 1e-2

@@ -72,7 +72,8 @@ def test_tiny_models_match_transformers(gguf_factory, tmp_path, arch, wtype, tie
     transformers.logging.set_verbosity_error()
     spec = gguf_factory.TinySpec(arch=arch, weight_type=wtype, tied=tied, seed=hash((arch, wtype)) % 1000, **extra)
     path = gguf_factory.write_tiny_gguf(tmp_path / f"tiny-{arch}-{wtype}.gguf", spec)
-    core = EngineCore(EngineConfig.from_dict({"model": {"path": str(path)}, "device": "cpu"}), show_progress=False)
+    core = EngineCore(EngineConfig.from_dict({"model": {"path": str(path)}, "device": "cpu", "kernels": {"cpu_int4": False}}),
+                      show_progress=False)
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     except (ValueError, NotImplementedError) as e:  # this transformers cannot read the type: say so
@@ -83,3 +84,14 @@ def test_tiny_models_match_transformers(gguf_factory, tmp_path, arch, wtype, tie
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max() < 1e-3 * ref.abs().max()
     assert our_greedy(core, ids, 32) == hf_greedy(hf, ids, 32)
+
+
+def test_the_default_cpu_path_gives_transformers_greedy_tokens(hf_smollm2):
+    """The serving default on a CPU (Q4_1 and the Q8_0 head through torch's int4 kernel, bf16 activations into
+    each product): the same 32 greedy tokens as transformers' fp32 model on the first two prompts."""
+    core = EngineCore(EngineConfig.from_dict({"cache": {"context_size": 256}, "device": "cpu"}), show_progress=False)
+    assert all(layer.int4 is not None for layer in core.runner.executor.worker.model.modules()
+               if hasattr(layer, "int4") and getattr(layer, "out_features", 0) > 1)
+    for prompt in PROMPTS[:2]:
+        ids = core.tokenizer.encode(prompt, add_special_tokens=False)
+        assert our_greedy(core, ids, 32) == hf_greedy(hf_smollm2, ids, 32)
