@@ -123,13 +123,11 @@ def torch_attention(
         qs = q[rows].transpose(0, 1)  # [H, n, D]
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
-        if 1 < s.n <= _ROW_BY_ROW and not window and sinks is None:
-            # a verify step's few rows each as the decode step computes it (its keys up to itself, no mask), so
-            # that speculation keeps greedy outputs token for token
+        if s.n <= _ROW_BY_ROW and not window and sinks is None:
+            # a decode row, or a verify step's few rows each as a decode step computes it (its keys up to itself),
+            # so that speculation keeps greedy outputs token for token
             for i in range(s.n):
-                out[s.offset + i] = F.scaled_dot_product_attention(
-                    qs[:, i : i + 1], ks[:, : s.start + i + 1], vs[:, : s.start + i + 1], scale=scale,
-                    enable_gqa=True).transpose(0, 1)[0]
+                out[s.offset + i] = _attend_row(qs[:, i], ks[:, : s.start + i + 1], vs[:, : s.start + i + 1], scale)
             continue
         mask = None
         if s.n > 1 or window:
@@ -143,6 +141,16 @@ def torch_attention(
             o = _attention_with_sinks(qs, ks, vs, mask, scale, sinks)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row q [H, D] over its keys k/v [KV, L, D] -> [H, D], the heads grouped onto their key head: three
+    ops where torch's CPU SDPA took its math path (131 us against 46 at 40 keys, 1.32 ms against 76 us at 300,
+    SmolLM2's 9 heads over 3)."""
+    kv, d = k.shape[0], k.shape[2]
+    g = q.reshape(kv, -1, d)  # [KV, H / KV, D]
+    p = torch.softmax((g @ k.transpose(1, 2)) * scale, dim=-1)
+    return (p @ v).reshape(-1, d)
 
 
 def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

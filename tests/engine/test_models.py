@@ -86,12 +86,26 @@ def test_tiny_models_match_transformers(gguf_factory, tmp_path, arch, wtype, tie
     assert our_greedy(core, ids, 32) == hf_greedy(hf, ids, 32)
 
 
-def test_the_default_cpu_path_gives_transformers_greedy_tokens(hf_smollm2):
+def test_the_default_cpu_path_agrees_with_transformers_where_its_margin_is_clear(hf_smollm2):
     """The serving default on a CPU (Q4_1 and the Q8_0 head through torch's int4 kernel, bf16 activations into
-    each product): the same 32 greedy tokens as transformers' fp32 model on the first two prompts."""
+    each product), teacher-forced on transformers' 32 greedy tokens after each prompt: the argmax agrees at
+    99% of the rows where transformers' top-1/top-2 margin exceeds 0.1, the rate asked of the GPU's bf16 GEMM
+    path, and the log-probability of transformers' top token stays within 0.25 at every row. Measured: 199 of
+    200 (one flip at margin 0.139), largest difference 0.158; the f32 path (VEGASERVE_CPU_INT4=0) agrees at 200
+    of 200 and is held to 1e-3 of the largest logit above."""
     core = EngineCore(EngineConfig.from_dict({"cache": {"context_size": 256}, "device": "cpu"}), show_progress=False)
     assert all(layer.int4 is not None for layer in core.runner.executor.worker.model.modules()
                if hasattr(layer, "int4") and getattr(layer, "out_features", 0) > 1)
-    for prompt in PROMPTS[:2]:
+    agree = counted = 0
+    for prompt in PROMPTS:
         ids = core.tokenizer.encode(prompt, add_special_tokens=False)
-        assert our_greedy(core, ids, 32) == hf_greedy(hf_smollm2, ids, 32)
+        seq = ids + hf_greedy(hf_smollm2, ids, 32)
+        ours = torch.log_softmax(our_logits(core, seq).double(), -1)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_smollm2(torch.tensor([seq])).logits[0].double(), -1)
+        top2 = ref.topk(2, dim=-1)
+        clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.1
+        counted += int(clear.sum())
+        agree += int((ours.argmax(-1)[clear] == top2.indices[clear, 0]).sum())
+        assert float((ours.gather(1, top2.indices[:, :1]) - top2.values[:, :1]).abs().max()) < 0.25, prompt
+    assert counted > 150 and agree >= 0.99 * counted, (agree, counted)
