@@ -4,7 +4,7 @@ The cache is one pool of slots per layer: k/v of shape [layers, num_slots, kv_he
 block_id * block_size + offset (engine/kv_cache.py). `cached_attention` writes the new tokens' k/v and
 attends: on a GPU through the Triton kernels (`paged_attention`: block tables from ForwardBatch.attention,
 triton_kernels/attention.py), on a CPU through torch (`torch_attention`: each sequence's keys gathered
-through its slot list, then SDPA). Both give the same result; the kernels are checked against float64
+through its slot list, then each query row over its own keys, or SDPA where gpt-oss's sinks take part). Both give the same result; the kernels are checked against float64
 references and against `torch_attention` in tests/triton_kernels/test_attention.py.
 """
 
@@ -103,10 +103,6 @@ def paged_attention(
     return _with_q8_1(out, want_q8_1)
 
 
-# query rows a sequence brings that are attended one by one (speculation verifies at most draft_max + 1 = 17)
-_ROW_BY_ROW = 17
-
-
 def torch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     window: int = 0, sinks: torch.Tensor | None = None,
@@ -123,11 +119,14 @@ def torch_attention(
         qs = q[rows].transpose(0, 1)  # [H, n, D]
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
-        if s.n <= _ROW_BY_ROW and not window and sinks is None:
-            # a decode row, or a verify step's few rows each as a decode step computes it (its keys up to itself),
-            # so that speculation keeps greedy outputs token for token
+        if sinks is None:
+            # every row as a decode step computes it, over its own keys (the last `window` of them): a row's result
+            # does not depend on how its prompt was chunked or what shared its step, so speculation stays token
+            # for token exact and a seed gives the same text under any load
             for i in range(s.n):
-                out[s.offset + i] = _attend_row(qs[:, i], ks[:, : s.start + i + 1], vs[:, : s.start + i + 1], scale)
+                end_i = s.start + i + 1
+                lo = max(0, end_i - window) if window else 0
+                out[s.offset + i] = _attend_row(qs[:, i], ks[:, lo:end_i], vs[:, lo:end_i], scale)
             continue
         mask = None
         if s.n > 1 or window:

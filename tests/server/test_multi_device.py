@@ -51,9 +51,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def config(path: Path, parallel: dict | None = None) -> EngineConfig:
+    """On the CPU's f32 path (VEGASERVE_CPU_INT4=0): the int4 kernel rounds each lane's partial product of a
+    K-split matrix to bf16, which alone moves a tiny model's logits by about 1e-2 from one process."""
     return EngineConfig.from_dict({
         "model": {"path": str(path)}, "cache": {"context_size": 256}, "scheduler": {"max_num_seqs": 4},
-        "parallel": parallel or {}, "device": "cpu",
+        "parallel": parallel or {}, "device": "cpu", "kernels": {"cpu_int4": False},
     })
 
 

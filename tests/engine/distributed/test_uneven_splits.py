@@ -99,7 +99,9 @@ PROMPT = [1, 17, 300, 4000, 512, 9, 21000, 77, 640, 5, 12, 99]
 
 
 def _logits(path, parallel: dict | None = None) -> torch.Tensor:
-    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 64}, "parallel": parallel or {}, "device": "cpu"}
+    # the f32 path: the int4 kernel would round each lane's partial product to bf16 (7.6e-3 from one process)
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 64}, "parallel": parallel or {}, "device": "cpu",
+           "kernels": {"cpu_int4": False}}
     core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
     try:
         return core.forward_logits(PROMPT)
