@@ -4,14 +4,13 @@ The cache is one pool of slots per layer: k/v of shape [layers, num_slots, kv_he
 block_id * block_size + offset (engine/kv_cache.py). `cached_attention` writes the new tokens' k/v and
 attends: on a GPU through the Triton kernels (`paged_attention`: block tables from ForwardBatch.attention,
 triton_kernels/attention.py), on a CPU through torch (`torch_attention`: each sequence's keys gathered
-through its slot list, then each query row over its own keys, or SDPA where gpt-oss's sinks take part). Both give the same result; the kernels are checked against float64
-references and against `torch_attention` in tests/triton_kernels/test_attention.py.
+through its slot list, then each query row over its own keys). Both give the same result; the kernels are
+checked against float64 references and against `torch_attention` in tests/triton_kernels/test_attention.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.norm import Q8_1
@@ -119,47 +118,28 @@ def torch_attention(
         qs = q[rows].transpose(0, 1)  # [H, n, D]
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
-        if sinks is None:
-            # every row as a decode step computes it, over its own keys (the last `window` of them): a row's result
-            # does not depend on how its prompt was chunked or what shared its step, so speculation stays token
-            # for token exact and a seed gives the same text under any load
-            for i in range(s.n):
-                end_i = s.start + i + 1
-                lo = max(0, end_i - window) if window else 0
-                out[s.offset + i] = _attend_row(qs[:, i], ks[:, lo:end_i], vs[:, lo:end_i], scale)
-            continue
-        mask = None
-        if s.n > 1 or window:
-            # query i sits at position start + i and sees keys 0 .. start + i (the last `window` of them)
-            qpos = torch.arange(s.start, end, device=q.device)[:, None]
-            kpos = torch.arange(end, device=q.device)[None, :]
-            mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
-        if sinks is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            o = _attention_with_sinks(qs, ks, vs, mask, scale, sinks)
-        out[rows] = o.transpose(0, 1)
+        # every row as a decode step computes it, over its own keys (the last `window` of them): a row's result
+        # does not depend on how its prompt was chunked or what shared its step, so speculation stays token for
+        # token exact and a seed gives the same text under any load
+        for i in range(s.n):
+            end_i = s.start + i + 1
+            lo = max(0, end_i - window) if window else 0
+            out[s.offset + i] = _attend_row(qs[:, i], ks[:, lo:end_i], vs[:, lo:end_i], scale, sinks)
     return out
 
 
-def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row q [H, D] over its keys k/v [KV, L, D] -> [H, D], the heads grouped onto their key head: three
     ops where torch's CPU SDPA took its math path (131 us against 46 at 40 keys, 1.32 ms against 76 us at 300,
-    SmolLM2's 9 heads over 3)."""
+    SmolLM2's 9 heads over 3). sinks [H]: one logit per head in the softmax's denominator (gpt-oss), a key that
+    is never attended."""
     kv, d = k.shape[0], k.shape[2]
     g = q.reshape(kv, -1, d)  # [KV, H / KV, D]
-    p = torch.softmax((g @ k.transpose(1, 2)) * scale, dim=-1)
+    scores = (g @ k.transpose(1, 2)) * scale
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).reshape(kv, -1, 1)
+        p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return (p @ v).reshape(-1, d)
-
-
-def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                          sinks: torch.Tensor) -> torch.Tensor:
-    """softmax over [q k^T, sink] without the sink's column, times v: q [H, n, D], k/v [KV, L, D]."""
-    group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    scores = (q @ k.transpose(1, 2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
-    p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return (p.to(v.dtype) @ v)
