@@ -433,9 +433,7 @@ def _carry(params: dict[str, int], device: torch.device) -> int:
     the float64 reference (1e-7 with the wait, or without the carry); that covers every GPU before sm_90, every
     AMD GPU and VEGASERVE_PDL=0 until the cause is found (tests/triton_kernels/test_matvec_int8.py's GPU
     test)."""
-    carry = params.get("carry", 1)
-    compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    return 0 if compiled and not pdl.enabled(device) else carry
+    return params.get("carry", 1) if device.type != "cuda" or pdl.enabled(device) else 0
 
 
 def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,

@@ -146,12 +146,11 @@ def _int4_planes(type_id: int, blocks: torch.Tensor) -> list[tuple[torch.Tensor,
 
 class CPUMethod(ReferenceMethod):
     """The CPU's serving method: Q4_0, Q4_1 and Q8_0 matrices stay 4-bit planes multiplied by torch's int4
-    kernel (`_weight_int4pack_mm_for_cpu`: groups of 32, bf16 activations and scales, f32 accumulation
-    rounded to a bf16 output per plane);
-    every other type as ReferenceMethod (dequantized at load, f32). SmolLM2 Q4_1 on the 2-core CPU: a decode
-    step 27 ms instead of 54 (one thread), and perplexity 33.8936 against 33.9190 in f32 and llama-perplexity's
-    33.8998 on the same text (-0.018% and +0.057% from llama.cpp, which rounds activations to 8 bits). Without
-    those torch operators (torch before 2.6) it is ReferenceMethod throughout."""
+    kernel (`_weight_int4pack_mm_for_cpu`: groups of 32, bf16 activations and scales, f32 accumulation rounded
+    to a bf16 output per plane); every other type as ReferenceMethod (dequantized at load, f32). SmolLM2 Q4_1
+    on the 2-core CPU: a decode step 27 ms instead of 54 (one thread); perplexity against llama-perplexity's
+    on two texts -0.018% and +0.43% (the f32 path +0.057% and +0.30%). A torch without those operators gets
+    ReferenceMethod throughout."""
 
     available = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
