@@ -168,12 +168,10 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if not self.drain.enter():
-            err = ApiError(503, "the server is shutting down; retry on another instance",
-                           type="service_unavailable_error", code="shutting_down")
             # Connection: close, so a keep-alive client does not send its next request to us either.
-            response = err.response()
-            response.headers["connection"] = "close"
-            await response(scope, receive, send)
+            err = ApiError(503, "the server is shutting down; retry on another instance",
+                           type="service_unavailable_error", code="shutting_down", close=True)
+            await err.response()(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)
