@@ -25,9 +25,10 @@ by one thread per core at most two chunks a thread ahead of the writer, so a mod
 at most on 16 cores); one thread generates 160-300 MB/s of blocks: llama3-8b Q4_K_M (4.92 GB, 65 F32 / 193
 Q4_K / 33 Q6_K tensors, as llama.cpp lists the real one) took 40 s on a 2-core machine with one thread, and
 qwen3-30b-a3b Q4_K_M 69 s on a 16-core GPU machine with a thread a core (one thread had written 95% of it in
-90 s). Full sizes: qwen3-30b-a3b Q4_K_M 17.28 GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB
-(the tensor bytes llama.cpp reports for the published files); gpt-oss-120b cut to 12 layers 20.44 GiB; qwen3.6-27b Q4_K_M 15.65 GiB
-(15.401 GiB without its MTP block, as llama.cpp prints the published file), qwen3.6-35b-a3b 20.21 GiB (19.70).
+90 s; three files written at once there, 31 GB, took about 65 s). Full sizes: qwen3-30b-a3b Q4_K_M 17.28
+GiB, gpt-oss-20b MXFP4 11.27 GiB, gpt-oss-120b MXFP4 59.02 GiB (the tensor bytes llama.cpp reports for the
+published files); gpt-oss-120b cut to 12 layers 20.44 GiB; qwen3.6-27b Q4_K_M 15.65 GiB (15.401 GiB without
+its MTP block, as llama.cpp prints the published file), qwen3.6-35b-a3b 20.21 GiB (19.70).
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ class _StreamedTensor:
         state = np.random.SeedSequence([self.seed, self.index, chunk]).generate_state(2, np.uint64)
         return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
-    def _chunk(self, chunk: int, r0: int, n: int) -> np.ndarray:
+    def _chunk(self, chunk: int, n: int) -> np.ndarray:
         t, gen = self.t, self._generator(chunk)
         if t.around is not None:  # norms, biases, sinks, routers: F32, at most a few MB
             return (t.around + 0.1 * torch.randn(math.prod(t.shape), generator=gen)).numpy().astype(np.float32)
@@ -368,7 +369,7 @@ class _StreamedTensor:
         step = rows if t.around is not None else max(1, _CHUNK_BYTES // _row_bytes(t))
         pending: deque[Future] = deque()
         for chunk, r0 in enumerate(range(0, rows, step)):
-            pending.append(self.pool.submit(self._chunk, chunk, r0, min(step, rows - r0)))
+            pending.append(self.pool.submit(self._chunk, chunk, min(step, rows - r0)))
             if len(pending) >= _AHEAD:
                 yield pending.popleft().result()
         while pending:
