@@ -118,9 +118,9 @@ def torch_attention(
         qs = q[rows].transpose(0, 1)  # [H, n, D]
         ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
         vs = vc[s.slots].to(q.dtype).transpose(0, 1)
-        # every row as a decode step computes it, over its own keys (the last `window` of them): a row's result
-        # does not depend on how its prompt was chunked or what shared its step, so speculation stays token for
-        # token exact and a seed gives the same text under any load
+        # every row as a decode step computes it, over its own keys (the last `window` of them): a row's attention
+        # does not depend on how its prompt was chunked or what shared its step (with the int4 products, which
+        # measured batch-invariant too, speculation stays token for token exact; docs/ARCHITECTURE.md)
         for i in range(s.n):
             end_i = s.start + i + 1
             lo = max(0, end_i - window) if window else 0
