@@ -3,13 +3,16 @@ vendor bf16 GEMM on the same shape, repacked against canonical. Prints a table a
 
     python benchmarks/bench_kernels.py --types Q4_K,Q8_0 --ms 1,8,256,2048 [--shapes 4096x4096,...]
         [--sweep '[{"kernel": "int8", "block_n": 32}, ...]'] [--canonical] [--tuning FILE]
+        [--gemm-sweep '[{"block_m": 64, "block_n": 64, "nb": 8, "split_k": 2}, ...]']
 
 Up to 8 rows: the decode mat-vec (triton_kernels/matvec.py) with the kernel and launch parameters the
 tuning file gives that type, shape and row count (as a model load picks them), timed as the decode graph
 runs it: calls on rotating weight copies captured in one CUDA graph and replayed (timing.py), x's q8_1
 copy made once outside the timed calls (in a decode step the op before writes it). --sweep: entries over
-the file's (each may name another kernel); the fastest right one is reported. Above 8 rows: the prefill
-path (the weight dequantized into a scratch copy, then the vendor GEMM), timed with triton.testing.do_bench. Every result is checked against the reference dequantizer's
+the file's (each may name another kernel); the fastest right one is reported. Above 8 rows: the quantized
+GEMM (matmul.quant_gemm: tiles dequantized in registers) with each --gemm-sweep entry, timed in graphs as
+the mat-vec, and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM), timed
+with triton.testing.do_bench. Every result is checked against the reference dequantizer's
 product before it is timed. Weights are random valid blocks (finite scales), activations random normal:
 never zeros. Ceilings are measured in the same run: a 2 GiB device-to-device copy (bytes read + written)
 and torch.matmul in bf16.
@@ -28,7 +31,7 @@ import dataclasses
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import dense_gemm
+from vegaserve.triton_kernels.matmul import dense_gemm, quant_gemm
 from vegaserve.triton_kernels.matvec import Choice, choose, matvec
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
@@ -80,6 +83,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,64,256,512,2048")
     ap.add_argument("--canonical", action="store_true", help="also time the canonical layout")
     ap.add_argument("--sweep", default="", help="JSON list of launch configs to try per row; best is kept")
+    ap.add_argument("--gemm-sweep", default='[{}]', help="JSON list of quant_gemm launch configs above 8 rows")
     ap.add_argument("--tuning", default=None, help="tuning file (default: configs/kernels/<target>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -87,6 +91,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB, read + write)")
     sweep = json.loads(args.sweep) if args.sweep else None
+    gemm_sweep = json.loads(args.gemm_sweep)
     tuning = load_tuning(path=args.tuning)
     print(f"{'type':7s} {'shape':>12s} {'M':>5s} {'lay/path':10s} {'ms':>8s} {'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'cuBLAS':>7s} {'%cb':>5s} {'relerr':>8s} cfg")
     for type_name in args.types.split(","):
@@ -103,9 +108,9 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=torch.float32 if m <= 8 else torch.bfloat16)
                     xb = x.to(torch.bfloat16)
                     t_cublas = bench(lambda xb=xb, dense=dense: xb @ dense.T)
-                    ref = x[:8].float() @ w_dense.T  # f32 on the GPU (TF32 off): reference dequantizer
-                    for path in (["matvec"] if m <= 8 else ["dense"]):
-                        configs = (sweep or [{}]) if path != "dense" else [{}]
+                    ref = x.float() @ w_dense.T  # f32 on the GPU (TF32 off): reference dequantizer
+                    for path in (["matvec"] if m <= 8 else ["gemm", "dense"]):
+                        configs = {"matvec": sweep or [{}], "gemm": gemm_sweep, "dense": [{}]}[path]
                         if path == "matvec":
                             q8 = quantize_q8_1(x)
                             ops = []
@@ -117,12 +122,15 @@ def main() -> None:
                                     continue
                                 ops.append((ch, [lambda wi=wi, ch=ch: matvec(x, wi, ch, q8_1=q8 if ch.kernel.int8 else None)
                                                  for wi in rotation]))
+                        elif path == "gemm":
+                            ops = [(c, [lambda wi=wi, c=c: quant_gemm(xb, wi, **{"block_m": min(64, max(16, triton.next_power_of_2(m))), **c})
+                                        for wi in rotation]) for c in configs]
                         else:
                             ops = [(c, [run_op(x, w, path, c, scratch)]) for c in configs]
 
                         def error(calls):
                             try:
-                                y = calls[0]()[:8].float()
+                                y = calls[0]().float()
                             except ValueError:  # a config the launcher refuses
                                 return float("inf")
                             return float((y - ref).norm() / ref.norm())
@@ -133,8 +141,11 @@ def main() -> None:
                         if not valid:
                             print(f"{type_name} {shape} M={m} {path}: no config computed the right result")
                             continue
-                        timed = [(bench_graph(calls) if path == "matvec" else bench(calls[0]), c, calls)
+                        timed = [(bench_graph(calls) if path != "dense" else bench(calls[0]), c, calls)
                                  for c, calls in valid]
+                        if len(timed) > 1:
+                            print("  sweep " + " ".join(f"{t * 1e3:.1f}us{json.dumps(c if isinstance(c, dict) else c.params, separators=(',', ':'))}"
+                                                        for t, c, _ in sorted(timed, key=lambda r: r[0])[:6]))
                         t, cfg, calls = min(timed, key=lambda r: r[0])
                         shown = {"kernel": cfg.kernel.name, **cfg.params} if path == "matvec" else cfg
                         flops = 2 * m * n * k

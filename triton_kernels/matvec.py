@@ -74,7 +74,7 @@ KERNELS: dict[str, MatvecKernel] = {
 
 
 @lru_cache(maxsize=8)
-def _device_shape(device: torch.device) -> tuple[int, int]:
+def device_shape(device: torch.device) -> tuple[int, int]:
     """(SMs or CUs, warp size) the rules size launches for; an H200's on a CPU (tests, offline compiles)."""
     if device.type != "cuda":
         return 132, 32
@@ -96,7 +96,7 @@ def choose(w: PackedWeight, m: int, tuning: Tuning | None = None) -> Choice:
         raise ValueError(f"{where} names kernel {name!r}, which does not serve {w.type_name} ({layout})")
     if kernel.name == "lanes" and w.data.device.type == "cuda" and not matvec_mma.has_matrix_units(w.data.device):
         raise ValueError(f"{where} names kernel 'lanes', which takes NVIDIA's int8 matrix units (sm_80 and later)")
-    rule = kernel.rule(w.type_id, w.n, w.k, m, *_device_shape(w.data.device))
+    rule = kernel.rule(w.type_id, w.n, w.k, m, *device_shape(w.data.device))
     return Choice(kernel, {**rule, **{key: v for key, v in entry.items() if key != "kernel"}})
 
 

@@ -6,11 +6,13 @@ assignments of a step (a = t * k + j: token t's j-th expert), W a stack of E exp
            program reads its expert id on the device and that expert's tiles only, so no host sync and
            only the chosen experts' bytes are read. The expert ids come from the router kernel before it,
            so the kernels wait for it before their first load.
-  grouped  (prefill): the assignments sorted by expert on the device (counts, starts, a stable argsort),
-           the experts in use dequantized into a scratch stack [E, N, K] of x's type, then one grouped GEMM
-           launch: each program owns BLOCK_M assignments of one expert (each expert's run padded to whole
-           blocks: at most A / BLOCK_M + E blocks) and BLOCK_N output columns, and writes the rows of its
-           assignments in their original order.
+  grouped  (more tokens): the assignments sorted by expert on the device (counts, starts, a stable
+           argsort), then one grouped GEMM launch: each program owns BLOCK_M assignments of one expert (each
+           expert's run padded to whole blocks: at most A / BLOCK_M + E blocks) and BLOCK_N output columns,
+           and writes the rows of its assignments in their original order. Below the tuning file's
+           dense_from_m tokens (batched decode) it is the quantized GEMM (matmul.quant_gemm, GROUPED): each
+           expert in use read once, dequantized in registers; from there (prefill) the experts in use are
+           dequantized into a scratch stack [E, N, K] of x's type first and the launch multiplies that.
 Torch reference: `reference_expert_matmul` (each assignment's expert dequantized, float64).
 """
 
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import dequantize_dense
+from vegaserve.triton_kernels.matmul import dequantize_dense, quant_gemm
 from vegaserve.triton_kernels.matvec import Choice
 from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
 from vegaserve.triton_kernels.q8_1 import Q8_1
@@ -76,6 +78,18 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[tor
     return order, counts, torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
 
 
+def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64, nb: int = 8,
+                       num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """The grouped path on the quantized stack: x [R, K] (bf16/fp16, or f32 with IEEE products) -> y [A, N]
+    f32, each expert in use read once per BLOCK_M of its assignments: BLOCK_M the power of two (16 to 64)
+    holding an expert's share of the assignments were they spread evenly."""
+    A = experts.count
+    block_m = min(64, max(16, triton.next_power_of_2(-(-A // w.experts))))
+    order, counts, starts, pstarts = sort_by_expert(experts.ids, w.experts, block_m)
+    return quant_gemm(x, w, block_m=block_m, block_n=block_n, nb=nb, num_warps=num_warps, num_stages=num_stages,
+                      grouped=(order, counts, starts, pstarts, experts.x_div, A))
+
+
 def grouped_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_m: int = 64, block_n: int = 64,
                  block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,12 +113,14 @@ def grouped_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_m: in
 
 
 def expert_matmul(x: torch.Tensor, w: PackedWeight, experts: Experts, choice: Choice, grouped: bool,
-                  q8_1: Q8_1 | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+                  q8_1: Q8_1 | None = None, scratch: torch.Tensor | None = None, quant: bool = False) -> torch.Tensor:
     """y [A, N] f32 = each assignment's expert times its row of x: the decode kernel `choice` (matvec.choose
     of one expert at one row) with a program column per assignment, or where `grouped` the grouped GEMM on
-    x in the scratch's type (the layer's prefill GEMM type)."""
+    x in the scratch's type (the layer's prefill GEMM type), on the quantized experts where `quant`."""
     if grouped:
         dtype = scratch.dtype if scratch is not None else torch.bfloat16
+        if quant:
+            return grouped_quant_gemm(x.to(dtype), w, experts)
         return grouped_gemm(x.to(dtype), w, experts, scratch=scratch)
     if choice.kernel.name == "lanes":
         raise ValueError("the lanes kernel takes several rows of x a weight; an expert assignment is one")

@@ -7,14 +7,16 @@ File format:
      "matvec": {"Q4_K": {"28672x4096": {"1": {"kernel": "pieces", "block_n": 16, ...}, "8": {...}},
                          "medium": {...}, "any": {"1": {"kernel": "pieces"}, "8": {"kernel": "int8"}}}},
      "matvec_canonical": {...},
-     "prefill": {"dense_from_m": 9, "scratch_dtype": "bfloat16"},
+     "gemm": {"Q4_K": {"28672x4096": {"16": {"block_m": 16, "block_n": 64, "split_k": 4}, ...}, ...}},
+     "prefill": {"dense_from_m": 129, "scratch_dtype": "bfloat16"},
      "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
-`matvec` holds the decode mat-vec of repacked weights, `matvec_canonical` of weights kept in GGUF's blocks
-(`--no-repack`). `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
+`matvec` holds the decode mat-vec of repacked weights (1..8 rows), `matvec_canonical` of weights kept in
+GGUF's blocks (`--no-repack`), `gemm` the quantized GEMM's launch parameters from 9 rows up to
+`dense_from_m` (either layout; matmul.quant_gemm), where the dequantize + vendor GEMM path takes over. `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
 and its launch parameters. An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
 leaves out come from the kernel's rule. Shape keys: the exact shape ("4096x14336", N x K) first, then its
-class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. Row counts 1..8 take the entry of the
-nearest measured count at or above them, else the largest. Without an entry: the backend's fallback.
+class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. A row count takes the entry of the
+nearest measured count at or above it, else the largest. Without an entry: the backend's fallback.
 """
 
 from __future__ import annotations
@@ -29,19 +31,21 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 
 # Fallback per backend, where the file has no entry:
 # NVIDIA (warp 32, tensor cores) and gfx906 (wave64, no matrix cores): the tile kernel on 16 rows and 16
-# blocks a program; prefill through the vendor GEMM on a dequantized scratch copy from 9 rows (49-90% of
-# cuBLAS, where an in-register Triton GEMM reached 4-7%), in bf16 on NVIDIA and in fp16 on gfx906 (its
-# fastest GEMM type; it has no bf16 units).
+# blocks a program. NVIDIA: the quantized GEMM from 9 to 128 rows (H100: 2.3-2.9x faster than the
+# dequantize + cuBLAS path at 16-64 rows on the Llama-3-8B shapes, 1.3-1.4x slower at 256), then the vendor
+# GEMM on a dequantized scratch copy in bf16. gfx906: the vendor GEMM from 9 rows, in fp16 (its fastest GEMM
+# type; it has no bf16 units), until the quantized GEMM is measured there (without matrix cores its tl.dot
+# is FMA).
 # The AllReduce gate: 512 KiB, vLLM's bound for its one-shot AllReduce, until our own is measured on
 # several GPUs (the timing issue that follows issue 29); blocks of 1024 f32, 4 warps (4 waves on gfx906).
 _ALLREDUCE = {"gate_bytes": 512 * 1024, "block": 1024, "num_warps": 4}
 _FALLBACK: dict[str, dict[str, Any]] = {
     "cuda": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
-             "dense_from_m": 9, "scratch_dtype": "bfloat16", "allreduce": _ALLREDUCE},
+             "dense_from_m": 129, "scratch_dtype": "bfloat16", "allreduce": _ALLREDUCE},
     "hip": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
             "dense_from_m": 9, "scratch_dtype": "float16", "allreduce": _ALLREDUCE},
 }
-TABLES = ("matvec", "matvec_canonical")
+TABLES = ("matvec", "matvec_canonical")  # the decode mat-vec tables; `gemm` is the GEMM's
 SHAPE_CLASSES = ("small", "medium", "large")
 
 
@@ -75,11 +79,20 @@ class Tuning:
     def matvec(self, type_name: str, n: int, k: int, m: int, repacked: bool = True) -> dict[str, Any]:
         """The decode mat-vec entry of an N x K matrix of `type_name` at m rows: {"kernel": name, launch
         parameters...}, the file's where it has one, else the backend's fallback."""
-        by_type = self.table.get("matvec" if repacked else "matvec_canonical", {}).get(type_name, {})
+        found = self._entry("matvec" if repacked else "matvec_canonical", type_name, n, k, m)
+        return found if found is not None else dict(_FALLBACK[self.backend]["matvec"])
+
+    def gemm(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
+        """The quantized GEMM's launch parameters for an N x K matrix at m rows (9 to dense_from_m - 1): the
+        file's entry where it has one, else {} (the launcher's rule, matmul.gemm_rule)."""
+        return self._entry("gemm", type_name, n, k, m) or {}
+
+    def _entry(self, table: str, type_name: str, n: int, k: int, m: int) -> dict[str, Any] | None:
+        by_type = self.table.get(table, {}).get(type_name, {})
         by_m = by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k)) or by_type.get("any") or {}
         measured = sorted(int(x) for x in by_m)
         if not measured:
-            return dict(_FALLBACK[self.backend]["matvec"])
+            return None
         return dict(by_m[str(next((x for x in measured if x >= m), measured[-1]))])
 
     @property

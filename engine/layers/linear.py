@@ -198,8 +198,9 @@ def _pad_plane(rows: int, k: int, j: int) -> torch.Tensor:
 class TritonMethod(QuantMethod):
     """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
     --no-repack); up to 8 rows the decode mat-vec (triton_kernels/matvec.py) with the kernel the tuning
-    file names for each matrix; above that (the file's `dense_from_m`), the matrix is dequantized into a
-    scratch buffer and multiplied by the vendor GEMM.
+    file names for each matrix; from 9 rows the quantized GEMM (matmul.quant_gemm: the weights read once,
+    dequantized in registers); from the file's `dense_from_m`, the matrix is dequantized into a scratch
+    buffer and multiplied by the vendor GEMM.
 
     Stacked matrices of one type become one matrix (their rows concatenated: GGUF rows are independent),
     so q/k/v and gate/up cost one launch each; mixed types run one mat-vec per type. The int8 kernels
@@ -221,10 +222,11 @@ class TritonMethod(QuantMethod):
 
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
-        from vegaserve.triton_kernels.matmul import SUPPORTED
-        from vegaserve.triton_kernels.matvec import choose
+        from vegaserve.triton_kernels.matmul import SUPPORTED, gemm_params
+        from vegaserve.triton_kernels.matvec import choose, device_shape
 
         device = layer.device
+        sms = device_shape(device)[0]
         groups: list[tuple[int, list[torch.Tensor], int]] = []  # (type, raws, rows)
         for src, rows in zip(sources, layer.output_sizes, strict=True):
             check_shape(src, (rows, layer.in_features))
@@ -243,8 +245,9 @@ class TritonMethod(QuantMethod):
             build = layout.repack if self.repack else layout.canonical
             w = build(raw, type_id, rows, layer.in_features)
             layer.packed.append(w)
-            try:  # the kernel and launch parameters for 1..8 rows, chosen once here, not per token
+            try:  # the kernels and launch parameters by row count, chosen once here, not per token
                 layer.tuned.append([choose(w, m, self.tuning) for m in range(1, 9)])
+                layer.gemm.append({m: gemm_params(w, m, self.tuning, sms) for m in self._gemm_buckets()})
             except ValueError as e:
                 raise ModelLoadError(str(e)) from e
             if self.scratch is None or self.scratch.numel() < w.n * w.k:
@@ -285,8 +288,9 @@ class TritonMethod(QuantMethod):
         grouped = not self._decode(tokens)
         if not grouped and q8_1 is None and any(c.kernel.int8 for c in layer.tuned):
             q8_1 = quantize_q8_1(x)  # once for every int8 stack of the layer
+        quant = tokens < self.tuning.dense_from_m  # batched decode: the experts read once, quantized
         outs = [expert_matmul(x, w, experts, c, grouped, q8_1=q8_1 if c.kernel.int8 else None,
-                              scratch=self.expert_scratch)
+                              scratch=self.expert_scratch, quant=quant)
                 for w, c in zip(layer.packed, layer.tuned, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -296,18 +300,31 @@ class TritonMethod(QuantMethod):
     def _decode(self, m: int) -> bool:
         return m < self.tuning.dense_from_m and m <= 8
 
+    def _gemm_buckets(self) -> list[int]:
+        """The row counts the quantized GEMM's launches are chosen for: 16, 32, ... below dense_from_m (a
+        step takes the first at or above its rows)."""
+        out, m = [], 16
+        while m // 2 < self.tuning.dense_from_m - 1:
+            out.append(m)
+            m *= 2
+        return out if self.tuning.dense_from_m > 9 else []
+
     def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
         return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
-        from vegaserve.triton_kernels.matmul import dense_gemm
+        from vegaserve.triton_kernels.matmul import dense_gemm, quant_gemm
         from vegaserve.triton_kernels.matvec import matvec
         from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
         m = x.shape[0]
         if not self._decode(m):
             xq = x.to(self.gemm_dtype)
-            outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
+            if m < self.tuning.dense_from_m:  # the weights read once, dequantized in registers
+                bucket = next(b for b in layer.gemm[0] if b >= m)
+                outs = [quant_gemm(xq, w, **by_m[bucket]) for w, by_m in zip(layer.packed, layer.gemm, strict=True)]
+            else:
+                outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             return y if layer.bias is None else y + layer.bias
         choices = [by_m[m - 1] for by_m in layer.tuned]
@@ -341,6 +358,7 @@ class QuantLinear(nn.Module):
         self.bias: nn.Parameter | None = None
         self.packed: list = []  # TritonMethod's PackedWeights
         self.tuned: list = []  # and their mat-vec choices (matvec.Choice) for 1..8 rows
+        self.gemm: list = []  # and their quantized GEMM's launch parameters by row bucket (16, 32, ...)
         self.device = torch.device("cpu")
 
     def load(self, sources: list[WeightSource], device: torch.device, biases: list[torch.Tensor] | None = None) -> None:

@@ -135,3 +135,55 @@ def test_dequantize_dense_equals_reference_dequantizer(type_name):
     assert torch.equal(dense.cpu(), ref)
     x = torch.randn(5, 96, generator=gen).to(DEVICE)
     assert rel_err(dense_gemm(x, w), reference_matmul(x.cpu(), _cpu(w))) < 1e-5
+
+
+# The quantized GEMM (9 rows up to the tuning file's dense_from_m): the types the issue names, every
+# legacy-block type, a float type, and one each of the low-bit K-quants, IQ4_XS and the lattice types.
+GEMM_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "F16", "BF16",
+              "Q2_K", "Q3_K", "IQ4_XS", "IQ3_S"]
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_quant_gemm_matches_reference_at_16_64_and_200_rows(type_name, layout):
+    """f32 operands with IEEE products (1e-5) at 16 rows in two K splits, 64 rows in one block of 64 and
+    200 rows over four blocks, the last partial; fp16 operands at 64 rows (3e-3). N = 37: a partial weight
+    block; outputs from poisoned memory, so an unwritten element fails."""
+    from vegaserve.triton_kernels.matmul import quant_gemm
+
+    qk = GGML_TYPES[TYPE_IDS[type_name]].block_size
+    k = 512 if qk == 256 else 128
+    w, gen = make(type_name, 37, k, layout, 7)
+    for m, block_m, split_k in ((16, 16, 2), (64, 64, 1), (200, 64, 1)):
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        y = quant_gemm(x, w, block_m=block_m, block_n=16, nb=8 if qk == 256 else 2, split_k=split_k)
+        assert y.shape == (m, 37)
+        assert rel_err(y, reference_matmul(x.cpu(), _cpu(w))) < 1e-5, (m, split_k)
+    x = torch.randn(64, k, generator=gen).to(DEVICE)
+    y = quant_gemm(x.half(), w, block_m=32, block_n=16)
+    assert rel_err(y, reference_matmul(x.half().float().cpu(), _cpu(w))) < 3e-3
+
+
+def test_quant_gemm_refuses_blocks_below_the_matrix_units_size():
+    from vegaserve.triton_kernels.matmul import quant_gemm
+
+    w, _ = make("Q8_0", 37, 96, repack, 8)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        quant_gemm(torch.randn(20, 96).to(DEVICE), w, block_m=8)
+    with pytest.raises(ValueError, match="x \\[M, 96\\]"):
+        quant_gemm(torch.randn(20, 64).to(DEVICE), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 operands need a GPU (the interpreter has no bf16)")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "IQ4_NL", "BF16"])
+def test_quant_gemm_bf16_operands_on_gpu(type_name):
+    """x and the dequantized tile rounded to bf16 (about 2^-9 relative each): 5e-3, at the block sizes a
+    tuning entry uses (64 x 64, two K splits)."""
+    from vegaserve.triton_kernels.matmul import quant_gemm
+
+    w, gen = make(type_name, 200, 1024, repack, 9)
+    x = torch.randn(100, 1024, generator=gen).to(DEVICE)
+    y = quant_gemm(x.bfloat16(), w, block_m=64, block_n=64, split_k=2)
+    assert rel_err(y, reference_matmul(x.bfloat16().float().cpu(), _cpu(w))) < 5e-3

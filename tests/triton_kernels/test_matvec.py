@@ -211,7 +211,7 @@ def test_matvec_without_a_choice_takes_the_tuning_files(tmp_path, monkeypatch):
     w = _q4_k(16, 256, 3)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     y = matvec(x, w)
-    assert ran == [{**launch_rule(IDS["Q4_K"], 16, 256, 2, *entry._device_shape(w.data.device)), "block_n": 8,
+    assert ran == [{**launch_rule(IDS["Q4_K"], 16, 256, 2, *entry.device_shape(w.data.device)), "block_n": 8,
                     "carry": 0}]
     assert torch.equal(y, real.launch(x, w, ran[0]))
 

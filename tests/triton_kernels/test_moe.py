@@ -13,7 +13,13 @@ from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import canonical, expert, repack, stack_experts, unpack_to_canonical
 from vegaserve.triton_kernels.matvec import KERNELS, Choice
 from vegaserve.triton_kernels.matvec_launch import Experts
-from vegaserve.triton_kernels.moe import expert_matmul, grouped_gemm, reference_expert_matmul, sort_by_expert
+from vegaserve.triton_kernels.moe import (
+    expert_matmul,
+    grouped_gemm,
+    grouped_quant_gemm,
+    reference_expert_matmul,
+    sort_by_expert,
+)
 from vegaserve.triton_kernels.q8_1 import reference_quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 
@@ -77,6 +83,28 @@ def test_grouped_path_sorts_assignments_by_expert_and_writes_them_back_in_order(
     y = grouped_gemm(x, w, experts, block_m=16, block_n=16, block_k=32)
     assert torch.isfinite(y).all()
     assert _rel(y, reference_expert_matmul(x.cpu(), w, experts)) < 1e-5
+
+
+@pytest.mark.parametrize("ids", [[0, 3, 3, 1, 4, 0, 2, 0, 4, 1, 1, 3, 0, 4, 4, 4, 3, 0, 1, 3],  # expert 2 once
+                                 [4] * 20,  # one expert takes every assignment
+                                 [1, 1, 3, 3, 1, 3, 1, 1, 3, 1, 3, 3, 1, 1, 1, 3, 3, 3, 1, 1]],  # three empty
+                         ids=["spread", "one-expert", "empty-experts"])
+@pytest.mark.parametrize("name, layout", [("Q4_K", True), ("Q8_0", False), ("MXFP4", True)],
+                         ids=["Q4_K-repack", "Q8_0-canonical", "MXFP4-repack"])
+def test_grouped_quant_gemm_reads_each_experts_blocks_and_writes_rows_in_order(ids, name, layout):
+    """The batched-decode grouped path: the quantized GEMM over each expert's run of assignments (x_div 2:
+    two experts a token), 1e-5 with f32 operands; and through expert_matmul's `quant` switch."""
+    w = _stack(name, 6, layout)
+    gen = torch.Generator().manual_seed(7)
+    experts = Experts(torch.tensor(ids, device=DEVICE), 2)
+    x = torch.randn(len(ids) // 2, K, generator=gen).to(DEVICE)
+    ref = reference_expert_matmul(x.cpu(), w, experts)
+    y = grouped_quant_gemm(x, w, experts, block_n=16)
+    assert y.shape == (len(ids), N)
+    assert _rel(y, ref) < 1e-5
+    choice = Choice(KERNELS["tiles"], {})
+    scratch = torch.empty(E * N * K, dtype=torch.float32, device=DEVICE)
+    assert _rel(expert_matmul(x, w, experts, choice, grouped=True, scratch=scratch, quant=True), ref) < 1e-5
 
 
 def test_sorting_gives_each_expert_its_run_padded_to_whole_blocks():

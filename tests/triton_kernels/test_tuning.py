@@ -52,17 +52,19 @@ def test_lookup_takes_the_nearest_measured_row_count_at_or_above_else_the_larges
     assert t.matvec("Q4_K", 16384, 8192, 3) == {"kernel": "int8", "block_n": 32}
 
 
-@pytest.mark.parametrize("target, scratch", [("cuda_sm90", "bfloat16"), ("hip_gfx906", "float16"),
-                                             ("cpu", "bfloat16")])
-def test_missing_entries_fall_back_to_the_backends_tile_kernel(tmp_path, target, scratch):
+@pytest.mark.parametrize("target, scratch, dense_from", [("cuda_sm90", "bfloat16", 129), ("hip_gfx906", "float16", 9),
+                                                         ("cpu", "bfloat16", 129)])
+def test_missing_entries_fall_back_to_the_backends_tile_kernel(tmp_path, target, scratch, dense_from):
     """No file, or no entry for the type: the backend's fallback, the tile kernel (it serves every type
-    and either layout); prefill's scratch copy in the backend's fastest GEMM type (gfx906 has no bf16
-    units). The CPU (tests, offline compiles) takes NVIDIA's."""
+    and either layout); the quantized GEMM up to 128 rows on NVIDIA, none yet on gfx906 (not measured
+    there); prefill's scratch copy in the backend's fastest GEMM type (gfx906 has no bf16 units). The CPU
+    (tests, offline compiles) takes NVIDIA's."""
     for t in (load_tuning(target, tmp_path / "absent.json"),
               load_tuning(target, _file(tmp_path, {"matvec": {"Q4_K": {"any": {"1": {"kernel": "int8"}}}}}))):
         assert t.matvec("Q6_K", 4096, 4096, 1) == _FALLBACK[t.backend]["matvec"]
         assert t.matvec("Q6_K", 4096, 4096, 1)["kernel"] == "tiles"
-        assert t.scratch_dtype == scratch and t.dense_from_m == 9
+        assert t.scratch_dtype == scratch and t.dense_from_m == dense_from
+        assert t.gemm("Q6_K", 4096, 4096, 16) == {}
     assert load_tuning(target, tmp_path / "absent.json").file is None
 
 
@@ -134,3 +136,31 @@ def test_shape_classes():
     assert shape_class(576, 576) == "small"
     assert shape_class(14336, 4096) == "medium"
     assert shape_class(128256, 4096) == "large"
+
+
+def test_gemm_entries_are_looked_up_by_shape_then_rows_and_unknown_parameters_are_refused(tmp_path):
+    from vegaserve.triton_kernels.layout import repack
+    from vegaserve.triton_kernels.matmul import gemm_params, gemm_rule
+
+    f = _file(tmp_path, {"gemm": {"Q8_0": {"4096x4096": {"16": {"block_n": 128}, "64": {"split_k": 2}},
+                                           "any": {"32": {"num_warps": 8}}}}})
+    t = load_tuning("cuda_sm90", f)
+    assert t.gemm("Q8_0", 4096, 4096, 9) == {"block_n": 128}
+    assert t.gemm("Q8_0", 4096, 4096, 40) == {"split_k": 2}
+    assert t.gemm("Q8_0", 4096, 4096, 128) == {"split_k": 2}  # past the largest: the largest
+    assert t.gemm("Q8_0", 1024, 4096, 16) == {"num_warps": 8}
+    w = repack(torch.zeros(4096 * 128 * 34, dtype=torch.uint8, device="meta"), 8, 4096, 4096)
+    assert gemm_params(w, 16, t, 132) == {**gemm_rule(8, 4096, 4096, 16, 132), "block_n": 128}
+    bad = load_tuning("cuda_sm90", _file(tmp_path, {"gemm": {"Q8_0": {"any": {"16": {"block_k": 64}}}}}))
+    with pytest.raises(ValueError, match="sets block_k"):
+        gemm_params(w, 16, bad, 132)
+
+
+def test_gemm_rule_splits_k_only_where_the_grid_is_small():
+    from vegaserve.triton_kernels.matmul import gemm_rule
+
+    assert gemm_rule(12, 4096, 14336, 16, 132) == {"block_m": 16, "block_n": 64, "nb": 8, "split_k": 4,
+                                                   "num_warps": 4, "num_stages": 2}
+    assert gemm_rule(12, 131072, 4096, 100, 132)["split_k"] == 1  # 4096 programs fill the GPU
+    assert gemm_rule(12, 4096, 512, 16, 132)["split_k"] == 1  # two super-blocks a row: nothing to split
+    assert gemm_rule(12, 4096, 4096, 9, 132)["block_m"] == 16 and gemm_rule(12, 4096, 4096, 100, 132)["block_m"] == 64
