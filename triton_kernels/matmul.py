@@ -213,16 +213,29 @@ GEMM_PARAMETERS = frozenset({"block_m", "block_n", "nb", "split_k", "num_warps",
 
 
 def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
-    """quant_gemm's launch parameters where the tuning file has no entry: all m rows in one block (16 to 64),
-    64 weight rows a program, a tile of 256 elements, and K split in up to 4 while the grid holds fewer
-    than 8 programs an SM (at 16-64 rows on the Llama-3-8B shapes, split 4 was the best or within 10% of
-    it on an H100, a register-bound kernel at two programs an SM)."""
+    """quant_gemm's launch parameters where the tuning file has no entry: all m rows in one block (16 to 64);
+    128 weight rows a program where that grid alone holds 1.5 programs an SM, else 64 rows and K split in up
+    to 4 while the grid holds fewer than 8 programs an SM; tiles of one super-block for the 256-element
+    types, of 64 elements for the others with three stages. The best or within 10% of it on an H100 at
+    16-128 rows on the Llama-3-8B shapes (the kernel is register-bound at two programs an SM, so small
+    tiles, split K and pipelined loads are what feed it)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
-    split_k = 1
-    while split_k < 4 and programs * split_k < 8 * sms and k // 256 >= 4 * split_k:
-        split_k *= 2
-    return {"block_m": block_m, "block_n": 64, "nb": 8, "split_k": split_k, "num_warps": 4, "num_stages": 2}
+    m_blocks = triton.cdiv(m, block_m)
+    params = {"block_m": block_m, "block_n": 64, **gemm_tiles(type_id), "split_k": 1, "num_warps": 4}
+    if m_blocks * triton.cdiv(n, 128) * 2 >= 3 * sms:
+        return {**params, "block_n": 128, "nb": 8, "num_stages": 2}
+    nb, _, _ = tile_split(type_id, k, params["nb"], 1)
+    tiles = k // _qk(type_id) // nb
+    while params["split_k"] < 4 and m_blocks * triton.cdiv(n, 64) * params["split_k"] < 8 * sms \
+            and tiles >= 4 * params["split_k"]:
+        params["split_k"] *= 2
+    return params
+
+
+def gemm_tiles(type_id: int) -> dict[str, int]:
+    """The GEMM's tile (nb, in 32-element units) and pipeline stages of a type: one super-block, two stages
+    for the 256-element types; 64 elements, three stages for the others."""
+    return {"nb": 8, "num_stages": 2} if _qk(type_id) > 32 else {"nb": 2, "num_stages": 3}
 
 
 def gemm_params(w: PackedWeight, m: int, tuning, sms: int) -> dict[str, int]:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import dequantize_dense, quant_gemm
+from vegaserve.triton_kernels.matmul import dequantize_dense, gemm_tiles, quant_gemm
 from vegaserve.triton_kernels.matvec import Choice
 from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
 from vegaserve.triton_kernels.q8_1 import Q8_1
@@ -78,15 +78,15 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[tor
     return order, counts, torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
 
 
-def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64, nb: int = 8,
-                       num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64) -> torch.Tensor:
     """The grouped path on the quantized stack: x [R, K] (bf16/fp16, or f32 with IEEE products) -> y [A, N]
     f32, each expert in use read once per BLOCK_M of its assignments: BLOCK_M the power of two (16 to 64)
-    holding an expert's share of the assignments were they spread evenly."""
+    holding an expert's share of the assignments were they spread evenly; tiles and stages as
+    matmul.gemm_tiles gives them for the type, no K split (the experts in use fill the grid)."""
     A = experts.count
     block_m = min(64, max(16, triton.next_power_of_2(-(-A // w.experts))))
     order, counts, starts, pstarts = sort_by_expert(experts.ids, w.experts, block_m)
-    return quant_gemm(x, w, block_m=block_m, block_n=block_n, nb=nb, num_warps=num_warps, num_stages=num_stages,
+    return quant_gemm(x, w, block_m=block_m, block_n=block_n, **gemm_tiles(w.type_id),
                       grouped=(order, counts, starts, pstarts, experts.x_div, A))
 
 
