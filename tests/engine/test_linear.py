@@ -205,3 +205,33 @@ def test_the_cpu_method_multiplies_block_types_through_int4_planes(mats, m):
     ref, ulp = _int4_reference(x, sources, k)
     assert bool(((y.double() - ref).abs() <= ulp + 1e-6).all())
     assert float((y.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_rows_past_eight_take_the_quantized_gemm_then_the_dense_path_at_dense_from_m(tmp_path, monkeypatch):
+    """Q4_K and Q8_0 stacked, dense_from_m 40: 9..39 rows run the quantized GEMM once per matrix with the
+    launch parameters chosen at load for the row bucket (the file's gemm entry over the rule), 40 rows the
+    dequantize + GEMM path; both equal the reference product (f32 operands)."""
+    from vegaserve.triton_kernels import matmul
+
+    ran: list[tuple[str, dict]] = []
+    real_gemm, real_dense = matmul.quant_gemm, matmul.dense_gemm
+    monkeypatch.setattr(matmul, "quant_gemm", lambda x, w, **p: ran.append(("gemm", p)) or real_gemm(x, w, **p))
+    monkeypatch.setattr(matmul, "dense_gemm", lambda x, w, s=None: ran.append(("dense", {})) or real_dense(x, w, s))
+    table = {"prefill": {"dense_from_m": 40}, "gemm": {"Q8_0": {"any": {"32": {"block_n": 32, "split_k": 2}}}}}
+    gen = torch.Generator().manual_seed(5)
+    k = 512
+    layer = _layer(tmp_path, table, _sources(gen, k, [("Q4_K", 40), ("Q8_0", 24)]), k, gemm_dtype=torch.float32)
+    assert [sorted(by_m) for by_m in layer.gemm] == [[16, 32, 64]] * 2
+    assert layer.gemm[1][32]["block_n"] == 32 and layer.gemm[1][32]["split_k"] == 2
+    for m, path in ((9, "gemm"), (16, "gemm"), (32, "gemm"), (39, "gemm"), (40, "dense")):
+        ran.clear()
+        x = torch.randn(m, k, generator=gen)
+        y = layer(x.to(DEVICE)).cpu().double()
+        assert [r[0] for r in ran] == [path, path], m
+        if path == "gemm":
+            bucket = 16 if m <= 16 else 32 if m <= 32 else 64
+            assert ran[1][1] == layer.gemm[1][bucket]
+        for part, w in zip(y.split([40, 24], dim=-1), layer.packed, strict=True):
+            ref = matmul.reference_matmul(x, _cpu(w))
+            assert float((part - ref).norm() / ref.norm()) < 1e-5, (m, w.type_name)
+    assert not layer.wants_q8_1(9)

@@ -1,0 +1,46 @@
+"""The quantized GEMM (matmul._gemm_kernel) compiles for an NVIDIA sm_90 and an AMD gfx906 target, plain and
+grouped (a stack of experts), with the launch parameters the rule gives at 16 and 64 rows: tl.dot on bf16
+there, on fp16 on gfx906 (no matrix cores: the dot is FMA; what it costs there is not measured, and the
+gfx906 fallback does not select the GEMM yet). These compilers need no GPU.
+
+Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import matmul
+from vegaserve.triton_kernels.dequant import GGMLType as T
+
+backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
+act = "*bf16" if backend == "cuda" else "*fp16"
+ptrs = {"x_ptr": act, "y_ptr": "*fp32", "base": "*u8", "order_ptr": "*i64", "counts_ptr": "*i64",
+        "starts_ptr": "*i64", "pstarts_ptr": "*i64"}
+for name in ("Q4_K", "Q6_K", "Q8_0", "MXFP4"):
+    tid = int(getattr(T, name))
+    for m, grouped in ((16, 0), (64, 0), (16, 1)):
+        p = matmul.gemm_rule(tid, 4096, 4096, m, 132)
+        nb = matmul.tile_split(tid, 4096, p["nb"], 1)[0]
+        consts = dict(WTYPE=tid, QK=matmul._qk(tid), BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], NB=nb,
+                      GROUPED=grouped, XDIV=1, E_P2=128 if grouped else 1, DOT_F32=0, tab_ptr=None)
+        fn = matmul._gemm_kernel
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+        triton.compile(ASTSource(fn, sig, consts), target=target,
+                       options={"num_warps": p["num_warps"], "num_stages": p["num_stages"]})
+    print(name)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,arch,warp", [("cuda", "90", 32), ("hip", "gfx906", 64)], ids=["sm90", "gfx906"])
+def test_quant_gemm_compiles_for_nvidia_and_amd(backend, arch, warp, offline_compile):
+    out = offline_compile(COMPILE, backend, arch, warp)
+    assert out.split() == ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "compiled"]
