@@ -31,8 +31,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 
 # Fallback per backend, where the file has no entry:
 # NVIDIA (warp 32, tensor cores) and gfx906 (wave64, no matrix cores): the tile kernel on 16 rows and 16
-# blocks a program. NVIDIA: the quantized GEMM from 9 to 128 rows (H100: 2.3-2.9x faster than the
-# dequantize + cuBLAS path at 16-64 rows on the Llama-3-8B shapes, 1.3-1.4x slower at 256), then the vendor
+# blocks a program. NVIDIA: the quantized GEMM from 9 to 128 rows (H100: 1.7-2.7x faster than the
+# dequantize + cuBLAS path at 16-64 rows on the Llama-3-8B shapes, 1.3-1.5x slower at 256), then the vendor
 # GEMM on a dequantized scratch copy in bf16. gfx906: the vendor GEMM from 9 rows, in fp16 (its fastest GEMM
 # type; it has no bf16 units), until the quantized GEMM is measured there (without matrix cores its tl.dot
 # is FMA).
