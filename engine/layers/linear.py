@@ -181,8 +181,13 @@ class CPUMethod(ReferenceMethod):
         if layer.int4 is None:
             return super().apply(layer, x, q8_1)
         xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, 32, sz).float() for codes, sz in layer.int4)
-        y = y[:, : layer.out_features].reshape(*x.shape[:-1], layer.out_features)
+        codes, sz = layer.int4[0]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, 32, sz).float()
+        for codes, sz in layer.int4[1:]:  # Q8_0's low plane
+            y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, 32, sz).float()
+        if y.shape[1] != layer.out_features:
+            y = y[:, : layer.out_features]
+        y = y.reshape(*x.shape[:-1], layer.out_features) if x.dim() != 2 else y
         return y if layer.bias is None else y + layer.bias
 
 

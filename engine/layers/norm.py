@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
             from vegaserve.triton_kernels.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, q8_1=True)
-        return self(x), None
+        return self.forward(x), None
 
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor,
                     want_q8_1: bool = False) -> tuple[torch.Tensor, torch.Tensor, Q8_1 | None]:

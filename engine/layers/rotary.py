@@ -64,6 +64,7 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
         self.register_buffer("cos", angles.cos() * mscale, persistent=False)
         self.register_buffer("sin", angles.sin() * mscale, persistent=False)
+        self._step_angles: tuple | None = None  # the CPU path's factors of the last positions (_factors)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, store=None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T]. One Triton launch on a GPU (triton_kernels/fused.py),
@@ -75,13 +76,30 @@ class RotaryEmbedding(nn.Module):
             return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox, store)
         if store is not None:
             raise ValueError("the cache store in the rotation is the GPU kernel's")
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = self._factors(positions, x.dtype)
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        if self.neox:
+        # (a, b) -> (a cos - b sin, b cos + a sin) as rot * cos + partner * sin with sin's first member negated:
+        # the same products and sums, so the same bits, in four ops
+        if self.neox:  # pairs (i, i + d/2)
             a, b = rot.chunk(2, dim=-1)
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-        else:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+            partner = torch.cat((b, a), dim=-1)
+        else:  # pairs (2i, 2i + 1)
+            partner = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        out = rot * cos + partner * sin
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+    def _factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, rope_dim] of the CPU path for `positions`, in `dtype`, laid out as the
+        pairs are; made once a step, since every layer rotates by the same positions (kept while they
+        equal a copy of the last ones: a tensor changed in place is not mistaken for the last)."""
+        last = self._step_angles
+        if last is not None and last[1] == dtype and last[0].shape == positions.shape and torch.equal(last[0], positions):
+            return last[2], last[3]
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        if self.neox:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        else:
+            cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        self._step_angles = (positions.clone(), dtype, cos, sin)
+        return cos, sin

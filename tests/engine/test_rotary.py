@@ -62,3 +62,21 @@ def test_yarn_keeps_high_frequencies_interpolates_low_ones_and_scales_magnitude(
     assert torch.allclose(inv[-4:], plain[-4:] / 4.0)  # slow dims: interpolated by the factor
     assert ((inv >= plain / 4.0 - 1e-12) & (inv <= plain + 1e-12)).all()
     assert math.isclose(mscale, 0.1 * math.log(4.0) + 1.0)
+
+
+def test_the_cpu_factors_made_once_a_step_follow_positions_changed_in_place_or_replaced():
+    """The CPU path keeps the last positions' cos/sin for the next layer of the step: positions changed in
+    place (same tensor), a new tensor, a new length and another dtype each get their own rotation."""
+    rope = RotaryEmbedding(16, 16, 10000.0, 128, RopeScaling(), neox=False)
+    inv, _ = rope_inv_freq(16, 10000.0, RopeScaling(), None)
+    x = torch.randn(3, 2, 16)
+    pos = torch.tensor([0, 5, 9])
+    for _ in range(2):  # the second call takes the kept factors
+        assert torch.allclose(rope(x, pos).double(), direct_rope(x, pos, inv, False), atol=1e-5)
+    pos.add_(3)
+    assert torch.allclose(rope(x, pos).double(), direct_rope(x, pos, inv, False), atol=1e-5)
+    other = torch.tensor([40, 41, 42])
+    assert torch.allclose(rope(x, other).double(), direct_rope(x, other, inv, False), atol=1e-5)
+    assert torch.allclose(rope(x[:1], other[:1]).double(), direct_rope(x[:1], other[:1], inv, False), atol=1e-5)
+    y = rope(x.double(), other)
+    assert y.dtype == torch.float64 and torch.allclose(y, direct_rope(x, other, inv, False), atol=1e-5)
