@@ -12,6 +12,7 @@ Not thread safe: one thread (the AsyncEngine's loop thread, or a plain caller) d
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -51,6 +52,7 @@ class EngineCore:
         )
         self.max_model_len, num_blocks = engine_shape(config, self.gguf)
         self.device = pick_device(config.device)
+        self.loaded_on = threading.get_ident()  # the thread whose OpenMP pool the load's CPU ops started
         self.arch = arch_config_from_gguf(self.gguf.metadata, set(self.gguf.tensors), str(self.gguf.path))
         check_speculative(config, self.arch, self.gguf)  # before any weights load
         n_seqs = config.scheduler.max_num_seqs
