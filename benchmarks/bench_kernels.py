@@ -10,7 +10,7 @@ tuning file gives that type, shape and row count (as a model load picks them), t
 runs it: calls on rotating weight copies captured in one CUDA graph and replayed (timing.py), x's q8_1
 copy made once outside the timed calls (in a decode step the op before writes it). --sweep: entries over
 the file's (each may name another kernel); the fastest right one is reported. Above 8 rows: the quantized
-GEMM (matmul.quant_gemm: tiles dequantized in registers) with each --gemm-sweep entry, timed in graphs as
+GEMM (gemm.quant_gemm: tiles dequantized in registers) with each --gemm-sweep entry, timed in graphs as
 the mat-vec, and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM), timed
 with triton.testing.do_bench. Every result is checked against the reference dequantizer's
 product before it is timed. Weights are random valid blocks (finite scales), activations random normal:
@@ -31,7 +31,8 @@ import dataclasses
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import dense_gemm, quant_gemm
+from vegaserve.triton_kernels.gemm import quant_gemm
+from vegaserve.triton_kernels.matmul import dense_gemm
 from vegaserve.triton_kernels.matvec import Choice, choose, matvec
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks

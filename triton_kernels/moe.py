@@ -10,7 +10,7 @@ assignments of a step (a = t * k + j: token t's j-th expert), W a stack of E exp
            argsort), then one grouped GEMM launch: each program owns BLOCK_M assignments of one expert (each
            expert's run padded to whole blocks: at most A / BLOCK_M + E blocks) and BLOCK_N output columns,
            and writes the rows of its assignments in their original order. Below the tuning file's
-           dense_from_m tokens (batched decode) it is the quantized GEMM (matmul.quant_gemm, GROUPED): each
+           dense_from_m tokens (batched decode) it is the quantized GEMM (gemm.quant_gemm, GROUPED): each
            expert in use read once, dequantized in registers; from there (prefill) the experts in use are
            dequantized into a scratch stack [E, N, K] of x's type first and the launch multiplies that.
 Torch reference: `reference_expert_matmul` (each assignment's expert dequantized, float64).
@@ -24,7 +24,8 @@ import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
-from vegaserve.triton_kernels.matmul import dequantize_dense, gemm_tiles, quant_gemm
+from vegaserve.triton_kernels.gemm import gemm_tiles, quant_gemm
+from vegaserve.triton_kernels.matmul import dequantize_dense
 from vegaserve.triton_kernels.matvec import Choice
 from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
 from vegaserve.triton_kernels.q8_1 import Q8_1
@@ -82,7 +83,7 @@ def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block
     """The grouped path on the quantized stack: x [R, K] (bf16/fp16, or f32 with IEEE products) -> y [A, N]
     f32, each expert in use read once per BLOCK_M of its assignments: BLOCK_M the power of two (16 to 64)
     holding an expert's share of the assignments were they spread evenly; tiles and stages as
-    matmul.gemm_tiles gives them for the type, no K split (the experts in use fill the grid)."""
+    gemm.gemm_tiles gives them for the type, no K split (the experts in use fill the grid)."""
     A = experts.count
     block_m = min(64, max(16, triton.next_power_of_2(-(-A // w.experts))))
     order, counts, starts, pstarts = sort_by_expert(experts.ids, w.experts, block_m)

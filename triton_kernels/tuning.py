@@ -12,7 +12,7 @@ File format:
      "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
 `matvec` holds the decode mat-vec of repacked weights (1..8 rows), `matvec_canonical` of weights kept in
 GGUF's blocks (`--no-repack`), `gemm` the quantized GEMM's launch parameters from 9 rows up to
-`dense_from_m` (either layout; matmul.quant_gemm), where the dequantize + vendor GEMM path takes over. `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
+`dense_from_m` (either layout; gemm.quant_gemm), where the dequantize + vendor GEMM path takes over. `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
 and its launch parameters. An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
 leaves out come from the kernel's rule. Shape keys: the exact shape ("4096x14336", N x K) first, then its
 class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. A row count takes the entry of the
@@ -84,7 +84,7 @@ class Tuning:
 
     def gemm(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
         """The quantized GEMM's launch parameters for an N x K matrix at m rows (9 to dense_from_m - 1): the
-        file's entry where it has one, else {} (the launcher's rule, matmul.gemm_rule)."""
+        file's entry where it has one, else {} (the launcher's rule, gemm.gemm_rule)."""
         return self._entry("gemm", type_name, n, k, m) or {}
 
     def _entry(self, table: str, type_name: str, n: int, k: int, m: int) -> dict[str, Any] | None:

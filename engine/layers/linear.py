@@ -203,7 +203,7 @@ def _pad_plane(rows: int, k: int, j: int) -> torch.Tensor:
 class TritonMethod(QuantMethod):
     """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
     --no-repack); up to 8 rows the decode mat-vec (triton_kernels/matvec.py) with the kernel the tuning
-    file names for each matrix; from 9 rows the quantized GEMM (matmul.quant_gemm: the weights read once,
+    file names for each matrix; from 9 rows the quantized GEMM (gemm.quant_gemm: the weights read once,
     dequantized in registers); from the file's `dense_from_m`, the matrix is dequantized into a scratch
     buffer and multiplied by the vendor GEMM.
 
@@ -227,7 +227,8 @@ class TritonMethod(QuantMethod):
 
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
-        from vegaserve.triton_kernels.matmul import SUPPORTED, gemm_params
+        from vegaserve.triton_kernels.gemm import gemm_params
+        from vegaserve.triton_kernels.matmul import SUPPORTED
         from vegaserve.triton_kernels.matvec import choose, device_shape
 
         device = layer.device
@@ -318,7 +319,8 @@ class TritonMethod(QuantMethod):
         return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
-        from vegaserve.triton_kernels.matmul import dense_gemm, quant_gemm
+        from vegaserve.triton_kernels.gemm import quant_gemm
+        from vegaserve.triton_kernels.matmul import dense_gemm
         from vegaserve.triton_kernels.matvec import matvec
         from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 

@@ -211,11 +211,11 @@ def test_rows_past_eight_take_the_quantized_gemm_then_the_dense_path_at_dense_fr
     """Q4_K and Q8_0 stacked, dense_from_m 40: 9..39 rows run the quantized GEMM once per matrix with the
     launch parameters chosen at load for the row bucket (the file's gemm entry over the rule), 40 rows the
     dequantize + GEMM path; both equal the reference product (f32 operands)."""
-    from vegaserve.triton_kernels import matmul
+    from vegaserve.triton_kernels import gemm, matmul
 
     ran: list[tuple[str, dict]] = []
-    real_gemm, real_dense = matmul.quant_gemm, matmul.dense_gemm
-    monkeypatch.setattr(matmul, "quant_gemm", lambda x, w, **p: ran.append(("gemm", p)) or real_gemm(x, w, **p))
+    real_gemm, real_dense = gemm.quant_gemm, matmul.dense_gemm
+    monkeypatch.setattr(gemm, "quant_gemm", lambda x, w, **p: ran.append(("gemm", p)) or real_gemm(x, w, **p))
     monkeypatch.setattr(matmul, "dense_gemm", lambda x, w, s=None: ran.append(("dense", {})) or real_dense(x, w, s))
     table = {"prefill": {"dense_from_m": 40}, "gemm": {"Q8_0": {"any": {"32": {"block_n": 32, "split_k": 2}}}}}
     gen = torch.Generator().manual_seed(5)

@@ -150,7 +150,7 @@ def test_quant_gemm_matches_reference_at_16_64_and_200_rows(type_name, layout):
     """f32 operands with IEEE products (1e-5) at 16 rows in two K splits, 64 rows in one block of 64 and
     200 rows over four blocks, the last partial; fp16 operands at 64 rows (3e-3). N = 37: a partial weight
     block; outputs from poisoned memory, so an unwritten element fails."""
-    from vegaserve.triton_kernels.matmul import quant_gemm
+    from vegaserve.triton_kernels.gemm import quant_gemm
 
     qk = GGML_TYPES[TYPE_IDS[type_name]].block_size
     k = 512 if qk == 256 else 128
@@ -166,7 +166,7 @@ def test_quant_gemm_matches_reference_at_16_64_and_200_rows(type_name, layout):
 
 
 def test_quant_gemm_refuses_blocks_below_the_matrix_units_size():
-    from vegaserve.triton_kernels.matmul import quant_gemm
+    from vegaserve.triton_kernels.gemm import quant_gemm
 
     w, _ = make("Q8_0", 37, 96, repack, 8)
     with pytest.raises(ValueError, match="at least 16 rows"):
@@ -181,7 +181,7 @@ def test_quant_gemm_refuses_blocks_below_the_matrix_units_size():
 def test_quant_gemm_bf16_operands_on_gpu(type_name):
     """x and the dequantized tile rounded to bf16 (about 2^-9 relative each): 5e-3, at the block sizes a
     tuning entry uses (64 x 64, two K splits)."""
-    from vegaserve.triton_kernels.matmul import quant_gemm
+    from vegaserve.triton_kernels.gemm import quant_gemm
 
     w, gen = make(type_name, 200, 1024, repack, 9)
     x = torch.randn(100, 1024, generator=gen).to(DEVICE)

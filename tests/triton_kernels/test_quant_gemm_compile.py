@@ -1,4 +1,4 @@
-"""The quantized GEMM (matmul._gemm_kernel) compiles for an NVIDIA sm_90 and an AMD gfx906 target, plain and
+"""The quantized GEMM (gemm._gemm_kernel) compiles for an NVIDIA sm_90 and an AMD gfx906 target, plain and
 grouped (a stack of experts), with the launch parameters the rule gives at 16 and 64 rows: tl.dot on bf16
 there, on fp16 on gfx906 (no matrix cores: the dot is FMA; what it costs there is not measured, and the
 gfx906 fallback does not select the GEMM yet). These compilers need no GPU.
@@ -15,7 +15,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vegaserve.triton_kernels import matmul
+from vegaserve.triton_kernels import gemm, matmul
 from vegaserve.triton_kernels.dequant import GGMLType as T
 
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -26,11 +26,11 @@ ptrs = {"x_ptr": act, "y_ptr": "*fp32", "base": "*u8", "order_ptr": "*i64", "cou
 for name in ("Q4_K", "Q6_K", "Q8_0", "MXFP4"):
     tid = int(getattr(T, name))
     for m, grouped in ((16, 0), (64, 0), (16, 1)):
-        p = matmul.gemm_rule(tid, 4096, 4096, m, 132)
+        p = gemm.gemm_rule(tid, 4096, 4096, m, 132)
         nb = matmul.tile_split(tid, 4096, p["nb"], 1)[0]
-        consts = dict(WTYPE=tid, QK=matmul._qk(tid), BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], NB=nb,
+        consts = dict(WTYPE=tid, QK=gemm._qk(tid), BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], NB=nb,
                       GROUPED=grouped, XDIV=1, E_P2=128 if grouped else 1, DOT_F32=0, tab_ptr=None)
-        fn = matmul._gemm_kernel
+        fn = gemm._gemm_kernel
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
         triton.compile(ASTSource(fn, sig, consts), target=target,
                        options={"num_warps": p["num_warps"], "num_stages": p["num_stages"]})

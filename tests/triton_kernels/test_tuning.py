@@ -140,7 +140,7 @@ def test_shape_classes():
 
 def test_gemm_entries_are_looked_up_by_shape_then_rows_and_unknown_parameters_are_refused(tmp_path):
     from vegaserve.triton_kernels.layout import repack
-    from vegaserve.triton_kernels.matmul import gemm_params, gemm_rule
+    from vegaserve.triton_kernels.gemm import gemm_params, gemm_rule
 
     f = _file(tmp_path, {"gemm": {"Q8_0": {"4096x4096": {"16": {"block_n": 128}, "64": {"split_k": 2}},
                                            "any": {"32": {"num_warps": 8}}}}})
@@ -157,7 +157,7 @@ def test_gemm_entries_are_looked_up_by_shape_then_rows_and_unknown_parameters_ar
 
 
 def test_gemm_rule_splits_k_only_where_the_grid_is_small():
-    from vegaserve.triton_kernels.matmul import gemm_rule
+    from vegaserve.triton_kernels.gemm import gemm_rule
 
     assert gemm_rule(12, 4096, 14336, 16, 132) == {"block_m": 16, "block_n": 64, "nb": 8, "split_k": 4,
                                                    "num_warps": 4, "num_stages": 2}
