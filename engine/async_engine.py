@@ -143,7 +143,8 @@ class AsyncEngine:
         """The step loop; returns after shutdown() or a failure. Runs in whichever thread calls it: on a CPU,
         best the one that loaded the model (the server's main thread), else with one torch thread (below)."""
         self._running = True
-        if self.core.device.type == "cpu" and threading.get_ident() != self.core.loaded_on and torch.get_num_threads() > 1:
+        elsewhere = threading.get_ident() != self.core.loaded_on
+        if self.core.device.type == "cpu" and elsewhere and torch.get_num_threads() > 1:
             # OpenMP (libgomp) keeps a pool of workers per thread that runs parallel ops; with the loading
             # thread's pool alive, a second one holds more threads than cores, and libgomp then lets its
             # workers sleep between ops instead of spinning: every parallel op waits for a wake-up. Measured

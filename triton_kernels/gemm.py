@@ -112,7 +112,8 @@ def gemm_params(w: PackedWeight, m: int, tuning, sms: int) -> dict[str, int]:
     unknown = set(entry) - GEMM_PARAMETERS
     if unknown:
         raise ValueError(f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} gemm entry "
-                         f"at {m} rows sets {', '.join(sorted(unknown))}; the GEMM takes {', '.join(sorted(GEMM_PARAMETERS))}")
+                         f"at {m} rows sets {', '.join(sorted(unknown))}; "
+                         f"the GEMM takes {', '.join(sorted(GEMM_PARAMETERS))}")
     return {**gemm_rule(w.type_id, w.n, w.k, m, sms), **entry}
 
 

@@ -93,7 +93,8 @@ class RotaryEmbedding(nn.Module):
         pairs are; made once a step, since every layer rotates by the same positions (kept while they
         equal a copy of the last ones: a tensor changed in place is not mistaken for the last)."""
         last = self._step_angles
-        if last is not None and last[1] == dtype and last[0].shape == positions.shape and torch.equal(last[0], positions):
+        if (last is not None and last[1] == dtype and last[0].shape == positions.shape
+                and torch.equal(last[0], positions)):
             return last[2], last[3]
         cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, d/2]
         sin = self.sin[positions].unsqueeze(1).to(dtype)
