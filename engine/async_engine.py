@@ -149,7 +149,7 @@ class AsyncEngine:
             # thread's pool alive, a second one holds more threads than cores, and libgomp then lets its
             # workers sleep between ops instead of spinning: every parallel op waits for a wake-up. Measured
             # on 2 cores, SmolLM2's decode step: 15 ms on the loading thread, 28-36 ms with 2 threads on another,
-            # 20 ms with 1 thread there (no second pool). torch's count is the process's: restored at the end.
+            # 20 ms with 1 thread there (no second pool). Threads started later take torch's count: put back at the end.
             log.info("engine loop on a thread other than the model's loader: one torch thread for its CPU ops")
             threads = torch.get_num_threads()
             torch.set_num_threads(1)

@@ -24,6 +24,24 @@ from vegaserve.triton_kernels.tiles_iq import table_for
 
 
 @triton.jit
+def expert_run(m0, order_ptr, counts_ptr, starts_ptr, pstarts_ptr, n_experts, BLOCK_M: tl.constexpr,
+               E_P2: tl.constexpr):
+    """The grouped GEMMs' rows (moe.sort_by_expert's runs): (expert e whose padded run holds block m0, its
+    assignment count (0 past the last run), the block's assignments a [BLOCK_M], valid [BLOCK_M])."""
+    e_all = tl.arange(0, E_P2)
+    live_e = e_all < n_experts
+    count_all = tl.load(counts_ptr + e_all, mask=live_e, other=0)
+    pstart_all = tl.load(pstarts_ptr + e_all, mask=live_e, other=0)
+    hit = live_e & (pstart_all <= m0) & (m0 < pstart_all + (count_all + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    e = tl.sum(tl.where(hit, e_all, 0))
+    count = tl.sum(tl.where(hit, count_all, 0))
+    local = m0 - tl.sum(tl.where(hit, pstart_all, 0)) + tl.arange(0, BLOCK_M)
+    valid = local < count
+    a = tl.load(order_ptr + tl.load(starts_ptr + e) + local, mask=valid, other=0)
+    return e, count, a, valid
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, y_ptr, base,  # pointers: activations [R, K], output [SPLIT_K, rows, N] f32, weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields (layout.py)
@@ -39,17 +57,9 @@ def _gemm_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     first = tl.program_id(2) * blocks_per_split
     n_iter = (tl.minimum(first + blocks_per_split, K // QK) - first) // NB
-    if GROUPED:  # the expert whose padded run holds block m0 (none past the last run: nothing is read)
-        e_all = tl.arange(0, E_P2)
-        live_e = e_all < n_experts
-        count_all = tl.load(counts_ptr + e_all, mask=live_e, other=0)
-        pstart_all = tl.load(pstarts_ptr + e_all, mask=live_e, other=0)
-        hit = live_e & (pstart_all <= m0) & (m0 < pstart_all + (count_all + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
-        e = tl.sum(tl.where(hit, e_all, 0))
-        count = tl.sum(tl.where(hit, count_all, 0))
-        local = m0 - tl.sum(tl.where(hit, pstart_all, 0)) + tl.arange(0, BLOCK_M)
-        valid = local < count
-        yrow = tl.load(order_ptr + tl.load(starts_ptr + e) + local, mask=valid, other=0)
+    if GROUPED:  # one expert's run of assignments (none past the last run: nothing is read)
+        e, count, yrow, valid = expert_run(m0, order_ptr, counts_ptr, starts_ptr, pstarts_ptr, n_experts, BLOCK_M,
+                                           E_P2)
         xrow = yrow // XDIV
         base += e.to(tl.int64) * expert_bytes
         n_iter = tl.where(count > 0, n_iter, 0)
@@ -121,7 +131,7 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int
                split_k: int = 1, num_warps: int = 4, num_stages: int = 2, grouped=None) -> torch.Tensor:
     """x [M, K] (bf16/fp16, or f32 with IEEE products) -> y [M, N] f32, W dequantized tile by tile in
     registers. `grouped` (order, counts, starts, pstarts, x_div, count): w a stack of experts and y [count,
-    N] each assignment's expert times its row of x (moe.grouped_gemm sorts them). nb counts 32-element
+    N] each assignment's expert times its row of x (moe.grouped_quant_gemm sorts them). nb counts 32-element
     units, as tile_split's."""
     M, K = x.shape
     if K != w.k or (grouped is None and w.expert_bytes):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
-from vegaserve.triton_kernels.gemm import gemm_tiles, quant_gemm
+from vegaserve.triton_kernels.gemm import expert_run, gemm_tiles, quant_gemm
 from vegaserve.triton_kernels.matmul import dequantize_dense
 from vegaserve.triton_kernels.matvec import Choice
 from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
@@ -43,16 +43,7 @@ def _grouped_gemm_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # the expert whose padded run holds block m0 (none past the last run: the block stores nothing)
-    e_all = tl.arange(0, E_P2)
-    live_e = e_all < n_experts
-    count_all = tl.load(counts_ptr + e_all, mask=live_e, other=0)
-    pstart_all = tl.load(pstarts_ptr + e_all, mask=live_e, other=0)
-    hit = live_e & (pstart_all <= m0) & (m0 < pstart_all + (count_all + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
-    e = tl.sum(tl.where(hit, e_all, 0))
-    count = tl.sum(tl.where(hit, count_all, 0))  # 0 where no run holds the block
-    local = m0 - tl.sum(tl.where(hit, pstart_all, 0)) + tl.arange(0, BLOCK_M)
-    valid = local < count
-    a = tl.load(order_ptr + tl.load(starts_ptr + e) + local, mask=valid, other=0)
+    e, _, a, valid = expert_run(m0, order_ptr, counts_ptr, starts_ptr, pstarts_ptr, n_experts, BLOCK_M, E_P2)
     xrow = (a // XDIV).to(tl.int64)
     w_e = w_ptr + e.to(tl.int64) * N * K
     cmask = cols < N

@@ -313,7 +313,7 @@ class TritonMethod(QuantMethod):
         while m // 2 < self.tuning.dense_from_m - 1:
             out.append(m)
             m *= 2
-        return out if self.tuning.dense_from_m > 9 else []
+        return out
 
     def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
         return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
