@@ -10,8 +10,8 @@ tuning file gives that type, shape and row count (as a model load picks them), t
 runs it: calls on rotating weight copies captured in one CUDA graph and replayed (timing.py), x's q8_1
 copy made once outside the timed calls (in a decode step the op before writes it). --sweep: entries over
 the file's (each may name another kernel); the fastest right one is reported. Above 8 rows: the quantized
-GEMM (gemm.quant_gemm: tiles dequantized in registers) with each --gemm-sweep entry, timed in graphs as
-the mat-vec, and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM), timed
+GEMM (gemm.quant_gemm: tiles dequantized in registers) with the launch a model load picks (the file's
+`gemm` entry over gemm.gemm_rule) and each --gemm-sweep entry on top of it, timed in graphs as the mat-vec, and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM), timed
 with triton.testing.do_bench. Every result is checked against the reference dequantizer's
 product before it is timed. Weights are random valid blocks (finite scales), activations random normal:
 never zeros. Ceilings are measured in the same run: a 2 GiB device-to-device copy (bytes read + written)
@@ -31,9 +31,9 @@ import dataclasses
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.gemm import quant_gemm
+from vegaserve.triton_kernels.gemm import gemm_params, quant_gemm
 from vegaserve.triton_kernels.matmul import dense_gemm
-from vegaserve.triton_kernels.matvec import Choice, choose, matvec
+from vegaserve.triton_kernels.matvec import Choice, choose, device_shape, matvec
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
 from vegaserve.triton_kernels.timing import bench_graph, copies_for
@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,64,256,512,2048")
     ap.add_argument("--canonical", action="store_true", help="also time the canonical layout")
     ap.add_argument("--sweep", default="", help="JSON list of launch configs to try per row; best is kept")
-    ap.add_argument("--gemm-sweep", default='[{}]', help="JSON list of quant_gemm launch configs above 8 rows")
+    ap.add_argument("--gemm-sweep", default='[{}]',
+                    help="JSON list of quant_gemm launch configs above 8 rows, each over the file's / the rule's")
     ap.add_argument("--tuning", default=None, help="tuning file (default: configs/kernels/<target>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -124,8 +125,9 @@ def main() -> None:
                                 ops.append((ch, [lambda wi=wi, ch=ch: matvec(x, wi, ch, q8_1=q8 if ch.kernel.int8 else None)
                                                  for wi in rotation]))
                         elif path == "gemm":
-                            ops = [(c, [lambda wi=wi, c=c: quant_gemm(xb, wi, **{"block_m": min(64, max(16, triton.next_power_of_2(m))), **c})
-                                        for wi in rotation]) for c in configs]
+                            base = gemm_params(w, m, tuning, device_shape(w.data.device)[0])
+                            ops = [({**base, **c}, [lambda wi=wi, p={**base, **c}: quant_gemm(xb, wi, **p)
+                                                    for wi in rotation]) for c in configs]
                         else:
                             ops = [(c, [run_op(x, w, path, c, scratch)]) for c in configs]
 
