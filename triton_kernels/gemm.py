@@ -93,7 +93,7 @@ def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
     """quant_gemm's launch parameters where the tuning file has no entry: all m rows in one block (16 to 64);
     128 weight rows a program where that grid alone holds 1.5 programs an SM, else 64 rows and K split in up
     to 4 while the grid holds fewer than 8 programs an SM; tiles of one super-block for the 256-element
-    types, of 64 elements for the others with three stages. The best or within 10% of it on an H100 at
+    types, of 64 elements for the others with three stages. The best or within 11% of it on an H100 at
     16-128 rows on the Llama-3-8B shapes (the kernel is register-bound at two programs an SM, so small
     tiles, split K and pipelined loads are what feed it)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
