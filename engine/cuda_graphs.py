@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -51,96 +52,128 @@ def buckets_for(max_seqs: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
+    """rows == 1: decode steps (one token a sequence, its logits). rows == R > 1: verify steps, R rows a
+    sequence (speculative decoding: a drafted sequence's last token and up to R - 1 guesses, every row's
+    logits; plain decoding sequences sharing the step bring one row): each sequence owns R rows of the
+    static batch, its rows past its tokens are padding that writes to the spare block, and the logits rows
+    each sequence wants are gathered inside the graph. Buckets then stop where b * R would pass max_rows."""
+
     def __init__(self, model: LlamaModel, cache: KVCache, max_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, rows: int = 1, max_rows: int = 0) -> None:
         if cache.k.shape[1] < cache.num_slots + block_size:
             raise ValueError("decode graphs need a spare KV block past the pool's slots")
+        state = cache.state
+        if state is not None and rows > 1:
+            raise ValueError("verify graphs are for models without recurrent state")
+        if state is not None and state.conv.shape[1] <= state.slots:
+            raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
         self.model, self.cache, self.device = model, cache, device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.buckets = buckets_for(max_seqs)
+        self.rows_per_seq = R = rows
+        buckets = buckets_for(max_seqs)
+        if max_rows:
+            buckets = tuple(b for b in buckets if b * R <= max_rows) or buckets[:1]
+        self.buckets = buckets
         B = self.max_batch = self.buckets[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        N = B * R
+        # a verify row's keys run up to start + R: the tables reach R - 1 positions past max_model_len
+        self.max_blocks = -(-(max_model_len + R - 1) // block_size)
         self.spare_block = cache.num_slots // block_size
-        state = cache.state
-        if state is not None and state.conv.shape[1] <= state.slots:
-            raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
         self.spare_state = state.slots if state is not None else -1
-        # staging layout, int32: ids [B] | positions [B] | new slots [B] | key counts [B] | (hybrid models:
-        # state slots [B]) | tables [B, blocks]
-        self.n_vec = 4 + (state is not None)
-        self.n_staged = self.n_vec * B + B * self.max_blocks
+        # staging layout, int32: ids [N] | positions [N] | new slots [N] | (verify: logits rows [N]) | key
+        # counts [B] | (hybrid models: state slots [B]) | tables [B, blocks]
+        sizes = [("ids", N), ("pos", N), ("slots", N), ("logit_rows", N if R > 1 else 0), ("lens", B),
+                 ("states", B if state is not None else 0), ("tables", B * self.max_blocks)]
+        self.at: dict[str, int] = {}
+        at = 0
+        for name, n in sizes:
+            self.at[name] = at
+            at += n
+        self.n_staged = at
         on_gpu = device.type == "cuda"
         self.host = torch.zeros(self.n_staged, dtype=torch.int32, pin_memory=on_gpu)
         self.host_np = self.host.numpy()
         self.staged = torch.zeros(self.n_staged, dtype=torch.int32, device=device)
-        self.ids = torch.zeros(B, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)
-        self.new_slots = torch.zeros(B, dtype=torch.int64, device=device)
-        self.query_start = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.ids = torch.zeros(N, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(N, dtype=torch.int64, device=device)
+        self.new_slots = torch.zeros(N, dtype=torch.int64, device=device)
+        self.logit_rows = torch.zeros(N, dtype=torch.int64, device=device)
+        self.query_start = torch.arange(0, N + 1, R, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
         self.has_state = torch.zeros(B, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if on_gpu else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pad(B)
+        # a padded sequence's rows: positions 0 .. R - 1, writing to the spare block's slots (in turn)
+        self._pad_pos = np.tile(np.arange(R, dtype=np.int32), B)
+        self._pad_slots = self.spare_block * block_size + self._pad_pos % block_size
+        self._pad(0, B)
         self.staged.copy_(self.host)
 
     # ------------------------------------------------------------------------------------------ views
 
-    def _host_views(self, b: int):
-        """numpy views of the pinned staging (numpy: element writes from Python cost ~100 ns, not ~5 us)."""
-        B, v = self.max_batch, self.n_vec
-        h = self.host_np
-        return (h[:b], h[B : B + b], h[2 * B : 2 * B + b], h[3 * B : 3 * B + b], h[4 * B : 4 * B + b],
-                h[v * B :].reshape(B, self.max_blocks)[:b])
+    def _host(self, name: str, n: int):
+        """numpy view of the pinned staging's first n entries of `name` (numpy: element writes from Python
+        cost ~100 ns, not ~5 us)."""
+        return self.host_np[self.at[name] : self.at[name] + n]
+
+    def _staged(self, name: str, n: int) -> torch.Tensor:
+        return self.staged[self.at[name] : self.at[name] + n]
+
+    def _tables(self, staging, b: int):
+        return staging[self.at["tables"] :].reshape(self.max_batch, self.max_blocks)[:b]
 
     def _batch(self, b: int) -> ForwardBatch:
         """The static batch of bucket b: views of the device buffers the graph reads."""
-        B = self.max_batch
-        tables = self.staged[self.n_vec * B :].view(B, self.max_blocks)
-        fb = ForwardBatch(self.ids[:b], self.positions[:b], [], self.rows[:b], self.block_size)
+        n, R = b * self.rows_per_seq, self.rows_per_seq
+        logits_rows = self.rows[:b] if R == 1 else self.logit_rows[:n]
+        fb = ForwardBatch(self.ids[:n], self.positions[:n], [], logits_rows, self.block_size)
         if self.spare_state >= 0:
             fb.__dict__["recurrent"] = RecurrentInputs(  # the cached_property, set to the static tensors
-                slots=self.staged[4 * B : 4 * B + b], has_state=self.has_state[:b], query_start=self.query_start[: b + 1],
+                slots=self._staged("states", b), has_state=self.has_state[:b], query_start=self.query_start[: b + 1],
                 max_query_len=1)
         fb.__dict__["attention"] = AttentionInputs(  # the cached_property, set to the static tensors
-            block_tables=tables[:b], seq_lens=self.staged[3 * B : 3 * B + b], query_start=self.query_start[: b + 1],
-            new_slots=self.new_slots[:b], page_size=self.block_size, max_seq_len=self.max_model_len,
-            max_query_len=1,
+            block_tables=self._tables(self.staged, b), seq_lens=self._staged("lens", b),
+            query_start=self.query_start[: b + 1], new_slots=self.new_slots[:n], page_size=self.block_size,
+            max_seq_len=self.max_model_len + R - 1, max_query_len=R,
         )
         return fb
 
     def _widen(self, b: int) -> None:
         """Inside the graph: the int32 staging into the int64 inputs."""
-        B = self.max_batch
-        self.ids[:b].copy_(self.staged[:b])
-        self.positions[:b].copy_(self.staged[B : B + b])
-        self.new_slots[:b].copy_(self.staged[2 * B : 2 * B + b])
+        n = b * self.rows_per_seq
+        self.ids[:n].copy_(self._staged("ids", n))
+        self.positions[:n].copy_(self._staged("pos", n))
+        self.new_slots[:n].copy_(self._staged("slots", n))
+        if self.rows_per_seq > 1:
+            self.logit_rows[:n].copy_(self._staged("logit_rows", n))
         if self.spare_state >= 0:  # a row with one key is a sequence's first token: no state before it
-            self.has_state[:b].copy_(self.staged[3 * B : 3 * B + b] > 1)
+            self.has_state[:b].copy_(self._staged("lens", b) > 1)
 
-    def _pad(self, start: int) -> None:
-        """Host rows start .. B - 1: token 0 at position 0, one key, the spare block."""
-        ids, pos, slots, lens, states, tables = self._host_views(self.max_batch)
-        ids[start:] = 0
-        pos[start:] = 0
-        slots[start:] = self.spare_block * self.block_size
-        lens[start:] = 1
+    def _pad(self, start: int, stop: int) -> None:
+        """Host sequences start .. stop - 1: token 0 at positions 0 .. R - 1, R keys, the spare block."""
+        R = self.rows_per_seq
+        rows = slice(start * R, stop * R)
+        self._host("ids", stop * R)[rows] = 0
+        self._host("pos", stop * R)[rows] = self._pad_pos[rows]
+        self._host("slots", stop * R)[rows] = self._pad_slots[rows]
+        self._host("lens", stop)[start:] = R
         if self.spare_state >= 0:
-            states[start:] = self.spare_state
-        tables[start:] = self.spare_block
+            self._host("states", stop)[start:] = self.spare_state
+        self._tables(self.host_np, stop)[start:] = self.spare_block
 
     # ---------------------------------------------------------------------------------------- capture
 
-    def capture(self, show_progress: bool = False) -> None:
+    def capture(self, show_progress: bool = False, pool=None) -> None:
         """Capture every bucket, largest first, into one memory pool (each is run eagerly twice before,
         which compiles its kernels: on a first start, with no Triton cache, most of the time; a bar shows
-        it with show_progress)."""
+        it with show_progress). pool: another DecodeGraphs' (graph_pool_handle), to share its memory."""
         t0 = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        buckets = tqdm(list(reversed(self.buckets)), desc="compiling and capturing decode graphs", unit="graph",
+        what = "decode" if self.rows_per_seq == 1 else f"verify ({self.rows_per_seq} rows a sequence)"
+        buckets = tqdm(list(reversed(self.buckets)), desc=f"compiling and capturing {what} graphs", unit="graph",
                        disable=not show_progress, leave=False)
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in buckets:
@@ -149,54 +182,84 @@ class DecodeGraphs:
                     self._widen(b)
                     self.model.forward(fb, self.cache)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self._widen(b)
                     logits = self.model.forward(fb, self.cache)
                 self.graphs[b] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s in %.1f s", ",".join(map(str, self.buckets)),
+        log.info("captured %s graphs for batch sizes %s in %.1f s", what, ",".join(map(str, self.buckets)),
                  time.monotonic() - t0)
 
     # ------------------------------------------------------------------------------------------- step
 
     def fits(self, seqs: list[tuple[list[int], int, list[int]]], all_logits: list[bool]) -> bool:
-        """A decode step this can replay: one token each, last-token logits, within the largest bucket."""
-        return (0 < len(seqs) <= self.max_batch and not any(all_logits)
-                and all(len(t) == 1 and start < self.max_model_len for _, start, t in seqs))
+        """A step this can replay, within the largest bucket: decode graphs take one token a sequence and
+        its logits; verify graphs 1 .. R tokens a sequence, the logits of its last or of every one."""
+        if not 0 < len(seqs) <= self.max_batch:
+            return False
+        if self.rows_per_seq == 1:
+            return not any(all_logits) and all(len(t) == 1 and start < self.max_model_len for _, start, t in seqs)
+        return all(0 < len(t) <= self.rows_per_seq and start + len(t) <= self.max_model_len for _, start, t in seqs)
 
     def run(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None = None,
-            state_slots: tuple[int, ...] = ()) -> torch.Tensor:
-        """Logits [len(seqs), vocab] f32 of a decode step (seqs as StepPlan.seqs). The tensor is the
-        graph's output buffer: read it before the next step. input_ids [len(seqs)] on the device: the
-        tokens, copied into the staging on the device after the host's part (async decode). state_slots:
-        each sequence's recurrent-state slot (hybrid models)."""
+            state_slots: tuple[int, ...] = (), all_logits: list[bool] | None = None) -> torch.Tensor:
+        """Logits f32 of a step (seqs as StepPlan.seqs), one row a sequence (decode) or the rows
+        all_logits asks for (verify: every row of a sequence where it is True, else its last). The tensor is
+        the graph's output buffer: read it before the next step. input_ids [len(seqs)] on the device: the
+        tokens, copied into the staging on the device after the host's part (async decode, decode graphs).
+        state_slots: each sequence's recurrent-state slot (hybrid models)."""
         if self.spare_state >= 0 and len(state_slots) != len(seqs):
             raise ValueError(f"a hybrid model's decode step needs a state slot per sequence, got {len(state_slots)}")
+        R, B = self.rows_per_seq, self.max_batch
+        if R > 1 and input_ids is not None:
+            raise ValueError("verify graphs take the step's tokens from the plan")
         S = len(seqs)
         b = next(x for x in self.buckets if x >= S)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        ids, pos, slots, lens, states, tables = self._host_views(self.max_batch)
+        ids, pos, slots, lens = (self._host(k, B * R) for k in ("ids", "pos", "slots", "lens"))
+        tables = self._tables(self.host_np, B)
         if self.spare_state >= 0:
-            states[:S] = state_slots
+            self._host("states", S)[:] = state_slots
         bs = self.block_size
-        for i, (blocks, start, tokens) in enumerate(seqs):
-            ids[i] = tokens[0]
-            pos[i] = start
-            lens[i] = start + 1
-            slots[i] = blocks[start // bs] * bs + start % bs
-            tables[i, : len(blocks)] = blocks  # entries past a row's blocks are never read
-        self._pad(S)
+        if R == 1:
+            for i, (blocks, start, tokens) in enumerate(seqs):
+                ids[i] = tokens[0]
+                pos[i] = start
+                lens[i] = start + 1
+                slots[i] = blocks[start // bs] * bs + start % bs
+                tables[i, : len(blocks)] = blocks  # entries past a row's blocks are never read
+            wanted = S
+        else:
+            out_rows = self._host("logit_rows", B * R)
+            wanted = 0
+            last = self.max_model_len - 1
+            for i, ((blocks, start, tokens), every) in enumerate(zip(seqs, all_logits or [False] * S, strict=True)):
+                n, r0 = len(tokens), i * R
+                ids[r0 : r0 + n] = tokens
+                ids[r0 + n : r0 + R] = 0
+                # padded rows: positions past the tokens (held inside the rotary tables), the spare block's slots
+                pos[r0 : r0 + R] = np.minimum(np.arange(start, start + R), last)
+                p = np.arange(start, start + n)
+                slots[r0 : r0 + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+                slots[r0 + n : r0 + R] = self._pad_slots[n:R]
+                lens[i] = start + R  # the padded rows sit after the real ones: causal masking hides them
+                tables[i, : len(blocks)] = blocks
+                tables[i, len(blocks) : -(-(start + R) // bs)] = self.spare_block
+                k = n if every else 1
+                out_rows[wanted : wanted + k] = range(r0 + n - k, r0 + n)
+                wanted += k
+        self._pad(S, B)
         # the vectors whole, then the bucket's rows of the tables
-        n = self.n_vec * self.max_batch + b * self.max_blocks
+        n = self.at["tables"] + b * self.max_blocks
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
         if input_ids is not None:
             self.staged[:S].copy_(input_ids)
         if self.copied is None:  # not captured (a CPU, in tests): the same static batch, run eagerly
             self._widen(b)
-            return self.model.forward(self._batch(b), self.cache)[:S]
+            return self.model.forward(self._batch(b), self.cache)[:wanted]
         self.copied.record()
         graph, logits = self.graphs[b]
         graph.replay()
-        return logits[:S]
+        return logits[:wanted]

@@ -64,6 +64,11 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
     return make_worker(launch, loaded.model, comm, device, show_progress)
 
 
+# The most rows a captured verify step holds (speculative decoding: sequences x (draft_max + 1)); larger
+# verify steps run eagerly, where the launches are a small part of the step's work.
+VERIFY_ROWS = 512
+
+
 def make_worker(launch: Launch, model, comm, device: torch.device, show_progress: bool = False) -> StageWorker:
     """The rank's worker: its KV cache in the configured type (a hybrid model's recurrent state for
     max_num_seqs sequences beside it) and, on a single GPU, its decode graphs."""
@@ -82,6 +87,10 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
 
         worker.graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len, bs, device)
         worker.graphs.capture(show_progress)
+        if cfg.speculative.enabled and worker.cache.state is None:  # (speculation on hybrid models: not yet)
+            worker.verify_graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len,
+                                                bs, device, rows=cfg.speculative.max_draft + 1, max_rows=VERIFY_ROWS)
+            worker.verify_graphs.capture(show_progress, pool=worker.graphs.pool)
     return worker
 
 

@@ -66,6 +66,7 @@ class StageWorker:
         self.cache = KVCache(model.n_cache_layers, num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
         self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0))
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
+        self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
         self.staging = HostStaging(device)
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
@@ -77,6 +78,8 @@ class StageWorker:
         input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
             return self.graphs.run(plan.seqs, input_ids, plan.state_slots)
+        if self.verify_graphs is not None and input_ids is None and self.verify_graphs.fits(plan.seqs, plan.all_logits):
+            return self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits)
         comm, model = self.comm, self.model
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
         pending = []

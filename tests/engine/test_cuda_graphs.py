@@ -16,6 +16,7 @@ from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.layers.attention import KVCache, kv_cache_dtype
 
 BLOCK = 16
+POISON = 1e3
 
 
 def test_buckets_stop_at_the_first_that_holds_max_seqs() -> None:
@@ -35,8 +36,10 @@ def test_kv_cache_type_follows_the_setting_and_the_device() -> None:
 @pytest.fixture(scope="module")
 def core(gguf_factory, tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
     path = gguf_factory.write_tiny_gguf(tmp_path_factory.mktemp("graphs") / "tiny.gguf", gguf_factory.TinySpec())
+    # f32 products: the int4 CPU kernel's bf16 activations would turn the Triton attention's last-bit
+    # differences from the torch path's (the eager step's) into a visible one now and then
     cfg = {"model": {"path": str(path)}, "cache": {"context_size": 256, "block_size": BLOCK},
-           "scheduler": {"max_num_seqs": 4}, "device": "cpu"}
+           "scheduler": {"max_num_seqs": 4}, "device": "cpu", "kernels": {"cpu_int4": False}}
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
@@ -81,6 +84,64 @@ def test_static_decode_batch_equals_the_eager_step(core: EngineCore, lengths: li
     finally:
         for b in blocks:
             core.pool.free(b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton attention "
+                    "kernels, which only the interpreter takes; on a GPU the replay test below covers it")
+@pytest.mark.parametrize("case", [
+    ([5, 17, 33], [5, 1, 3], [True, False, True]),  # a bucket of 4, one padded sequence, one decode row
+    ([14], [5], [True]),  # the guesses cross a block boundary; no padded row
+    ([3, 16, 1, 12], [2, 4, 5, 1], [True, True, False, False]),  # the last one's padded rows pass its blocks  # full; a short chunk wants only its last row
+], ids=["padded-3-of-4", "one-across-blocks", "full-4"])
+def test_static_verify_batch_equals_the_eager_step(core: EngineCore, case) -> None:
+    """Verify graphs (R = 5 rows a sequence): a step of sequences bringing 1 to 5 tokens each, with the
+    logits of every row or of the last, equals the eager step; padded rows write to the spare block only,
+    and no real row sees a key there (a poison of 1e3 would show)."""
+    lengths, counts, every = case
+    R = 5
+    worker = core.runner.executor.worker
+    gen = torch.Generator().manual_seed(sum(lengths))
+    vocab = core.arch.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + c) // BLOCK)) for n, c in zip(lengths, counts, strict=True)]
+    try:
+        worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * len(lengths), BLOCK))
+        nxt = [torch.randint(0, vocab, (c,), generator=gen).tolist() for c in counts]
+        plan = StepPlan([(b, n, t) for b, n, t in zip(blocks, lengths, nxt, strict=True)], every, BLOCK)
+        cache = worker.cache
+        spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                        cache.k.device, spare=BLOCK)
+        for mine, theirs in ((spare.k, cache.k), (spare.v, cache.v)):
+            mine[:, : cache.num_slots] = theirs
+            # finite: a verify row's last key tile may hold padded rows' keys, masked (times 0), which a NaN
+            # would poison; every key the graphs write is finite, so the spare block never holds one
+            mine[:, cache.num_slots :] = POISON
+        graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, BLOCK, torch.device("cpu"), rows=R)
+        assert graphs.fits(plan.seqs, plan.all_logits)
+        static = graphs.run(plan.seqs, all_logits=plan.all_logits).clone()
+        eager = worker.run(plan)
+        wanted = sum(c if e else 1 for c, e in zip(counts, every, strict=True))
+        assert static.shape == eager.shape == (wanted, vocab)
+        assert rel(static, eager) < 1e-4
+        assert rel(spare.k[:, : cache.num_slots], cache.k) < 1e-6 and rel(spare.v[:, : cache.num_slots], cache.v) < 1e-6
+        # padded rows (short sequences, or a batch smaller than its bucket) write to the spare block, and only there
+        bucket = next(b for b in graphs.buckets if b >= len(lengths))
+        padded = len(lengths) < bucket or min(counts) < R
+        assert bool((spare.k[:, cache.num_slots :] != POISON).any()) == padded
+    finally:
+        for b in blocks:
+            core.pool.free(b)
+
+
+def test_verify_graphs_fit_up_to_r_tokens_and_stop_at_max_rows(core: EngineCore) -> None:
+    worker = core.runner.executor.worker
+    cache = KVCache(2, 64, 2, 64, torch.float32, torch.device("cpu"), spare=BLOCK)
+    graphs = DecodeGraphs(worker.model, cache, 64, core.max_model_len, BLOCK, torch.device("cpu"), rows=5, max_rows=40)
+    assert graphs.buckets == (1, 2, 4, 8)  # 16 x 5 rows would pass 40
+    assert graphs.fits([([0], 3, [1, 2, 3, 4, 5]), ([1], 0, [2])], [True, False])
+    assert not graphs.fits([([0], 3, [1] * 6)], [True])  # more tokens than rows
+    assert not graphs.fits([([i], 0, [1]) for i in range(9)], [False] * 9)  # more than the largest bucket
+    assert not graphs.fits([([0], core.max_model_len - 2, [1, 2, 3])], [True])  # past the context
 
 
 def test_only_one_token_decode_steps_fit(core: EngineCore) -> None:

@@ -404,3 +404,40 @@ def test_the_draft_model_stops_below_p_min_and_drops_a_draft_with_non_finite_log
     prop = _draft_proposer(bad)
     assert prop.propose([_request([2, 0], rid="n")], [4]) == [[]]
     assert prop.non_finite == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="verify graphs are captured on a GPU only")
+def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu():
+    """One stream, ngram with 4 guesses: every verify step (5 rows at most, the mat-vec path either way)
+    replayed from the verify graphs gives the same greedy tokens as the same engine verifying eagerly, and
+    the graphs were replayed."""
+    from vegaserve.engine.engine_core import EngineCore
+
+    cfg = {"cache": {"context_size": 512}, "scheduler": {"max_num_seqs": 1}, "device": "cuda",
+           "speculative": {"type": "ngram", "draft_max": 4}}
+    core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+    worker = core.runner.executor.worker
+    graphs = worker.verify_graphs
+    assert graphs is not None and graphs.rows_per_seq == 5 and set(graphs.graphs) == {1}
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a, **kw: replays.append(1) or run(*a, **kw)
+
+    def greedy(text: str) -> list[int]:
+        ids = core.tokenizer.encode(core.chat_template.render([{"role": "user", "content": text}]))
+        r = GenerateRequest(ids, SamplingParams(max_tokens=40, temperature=0))
+        core.add_request(r)
+        out = []
+        while core.has_work:
+            for o in core.step():
+                out.extend(o.token_ids)
+        return out
+
+    texts = [t for t, _, _ in _PROMPTS[:5]]
+    replayed = [greedy(t) for t in texts]
+    assert replays and core.stats().spec_num_accepted_tokens > 0
+    worker.verify_graphs = None
+    assert [greedy(t) for t in texts] == replayed
+    assert core.pool.num_referenced == 0
+    core.close()
