@@ -23,12 +23,6 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# Settings of features that are not implemented yet: refused by name, not accepted and ignored.
-NOT_YET: dict[str, str] = {
-    "parallel.custom_allreduce": "the custom AllReduce is not implemented yet (NCCL/RCCL's is used)",
-}
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -73,6 +67,11 @@ class ParallelConfig:
     sched_n_copies: int | None = None  # GGML_SCHED_N_COPIES
     n_devices: int = 0  # -ndev; 0: every visible GPU (on a CPU: 1; more runs that many CPU processes)
     device_memory_gib: float = 0.0  # --device-memory; 0: what each device reports
+    # GGML_ENABLE_CUSTOM_AR: tensor-parallel AllReduces below the tuning file's size gate through the
+    # peer-write kernels (engine/distributed/custom_allreduce.py), which also lets decode graphs be captured
+    # under tensor parallelism; off: NCCL / RCCL everywhere
+    custom_allreduce: bool = False
+    allreduce_two_shot: bool | None = None  # GGML_TP_AR_TWOSHOT: force two-shot (True) / one-shot (False); None: by TP size
 
     def __post_init__(self) -> None:
         _require(self.n_devices >= 0, f"-ndev must be >= 0, got {self.n_devices}")
@@ -80,6 +79,10 @@ class ParallelConfig:
         _require(self.sched_n_copies is None or self.sched_n_copies >= 1, f"GGML_SCHED_N_COPIES must be >= 1, got {self.sched_n_copies}")
         _require(self.split_mode in ("none", "layer", "tensor"), f"split mode must be none, layer or tensor, got {self.split_mode!r}")
         _require(self.tensor_parallel_group >= 0, f"-tps must be >= 0, got {self.tensor_parallel_group}")
+        _require(isinstance(self.custom_allreduce, bool),
+                 f"parallel.custom_allreduce must be true or false, got {self.custom_allreduce!r}")
+        _require(self.allreduce_two_shot is None or isinstance(self.allreduce_two_shot, bool),
+                 f"parallel.allreduce_two_shot must be true, false or unset, got {self.allreduce_two_shot!r}")
 
 
 @dataclass(frozen=True)
@@ -173,16 +176,12 @@ class EngineConfig:
         kwargs: dict[str, Any] = {}
         sections = {f.name: f for f in dataclasses.fields(cls)}
         for key, value in tree.items():
-            _require(key not in NOT_YET, f"config section {key!r}: {NOT_YET.get(key)}")
             _require(key in sections, f"unknown configuration section {key!r} (known: {', '.join(sections)})")
             sub = _SECTION_TYPES.get(key)
             if sub is None:
                 kwargs[key] = value
                 continue
             _require(isinstance(value, dict), f"configuration section {key!r} must be a mapping")
-            for name in value:
-                setting = f"{key}.{name}"
-                _require(setting not in NOT_YET, f"config setting {setting}: {NOT_YET.get(setting)}")
             names = {f.name for f in dataclasses.fields(sub)}
             unknown = set(value) - names
             _require(not unknown, f"unknown setting(s) in {key!r}: {', '.join(sorted(unknown))}")

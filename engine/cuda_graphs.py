@@ -19,8 +19,10 @@ sized for max_model_len at capture, so one graph serves every context length (pa
 sequence's end do no work).
 
 Without a GPU (tests) nothing is captured and `run` computes the same static, padded batch eagerly.
-Single-process only: with several ranks the step crosses collectives and point-to-point transfers that
-run eagerly (docs/ARCHITECTURE.md). GGML_META_TOKEN_GRAPH=0 turns graphs off.
+One process, or each rank of tensor parallelism alone where the peer-write AllReduce takes the bucket's
+AllReduces (graph_buckets): the graph ends at the lane's logits and the vocabulary's gather follows the
+replay. Pipelines and NCCL / RCCL collectives run eagerly (docs/ARCHITECTURE.md). Verify graphs (rows > 1)
+hold speculative decoding's verify steps. GGML_META_TOKEN_GRAPH=0 turns graphs off.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def buckets_for(max_seqs: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def graph_buckets(model: LlamaModel, max_seqs: int, rows: int = 1, max_rows: int = 0) -> tuple[int, ...]:
+    """The buckets to capture for steps of `rows` rows a sequence: buckets_for(max_seqs), those past
+    max_rows rows dropped (0: none; the first bucket is kept), and under tensor parallelism those whose
+    AllReduces the peer-write kernels do not take (a vendor collective is not captured): maybe none."""
+    buckets = buckets_for(max_seqs)
+    if max_rows:
+        buckets = tuple(b for b in buckets if b * rows <= max_rows) or buckets[:1]
+    return tuple(b for b in buckets if model.comm.captures_all_reduce(b * rows * model.cfg.hidden_size))
+
+
 class DecodeGraphs:
     """rows == 1: decode steps (one token a sequence, its logits). rows == R > 1: verify steps, R rows a
     sequence (speculative decoding: a drafted sequence's last token and up to R - 1 guesses, every row's
@@ -71,10 +83,9 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.rows_per_seq = R = rows
-        buckets = buckets_for(max_seqs)
-        if max_rows:
-            buckets = tuple(b for b in buckets if b * R <= max_rows) or buckets[:1]
-        self.buckets = buckets
+        self.buckets = graph_buckets(model, max_seqs, R, max_rows)
+        if not self.buckets:
+            raise ValueError(f"no graph of {R} rows a sequence: its AllReduce cannot be captured")
         B = self.max_batch = self.buckets[-1]
         N = B * R
         # a verify row's keys run up to start + R: the tables reach R - 1 positions past max_model_len
@@ -180,11 +191,11 @@ class DecodeGraphs:
                 fb = self._batch(b)
                 for _ in range(2):
                     self._widen(b)
-                    self.model.forward(fb, self.cache)
+                    self.model.forward_lane(fb, self.cache)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self._widen(b)
-                    logits = self.model.forward(fb, self.cache)
+                    logits = self.model.forward_lane(fb, self.cache)
                 self.graphs[b] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -262,4 +273,4 @@ class DecodeGraphs:
         self.copied.record()
         graph, logits = self.graphs[b]
         graph.replay()
-        return logits[:wanted]
+        return self.model.gather_logits(logits[:wanted])

@@ -34,6 +34,8 @@ def _int(value: str, name: str) -> int:
 # name -> (section, key, parser)
 SWITCHES: dict[str, tuple[str, str, Any]] = {
     "GGML_SCHED_N_COPIES": ("parallel", "sched_n_copies", _int),
+    "GGML_ENABLE_CUSTOM_AR": ("parallel", "custom_allreduce", _flag),
+    "GGML_TP_AR_TWOSHOT": ("parallel", "allreduce_two_shot", _flag),
     "GGML_META_TOKEN_GRAPH": ("kernels", "token_graph", _flag),
     "GGML_CUDA_Q8_1_CACHE": ("kernels", "q8_1_cache", _flag),
     "VEGASERVE_PDL": ("kernels", "pdl", _flag),
@@ -45,10 +47,6 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
 # The fork's switches whose feature vegaserve does not have yet: one set is warned about at start and
 # changes nothing. Not refused, because MI50 launch scripts export the fork's recommended environment.
 NOT_YET: dict[str, str] = {
-    "GGML_ENABLE_CUSTOM_AR": "the custom AllReduce is not implemented yet in serving (its kernels wait for their "
-                             "GPU tests; NCCL's / RCCL's AllReduce runs)",
-    "GGML_TP_AR_TWOSHOT": "the one-shot / two-shot AllReduce choice is not implemented yet in serving (it belongs "
-                          "to the custom AllReduce)",
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "a choice of compute type for bf16 weights is not implemented yet",
     "LLAMA_ENABLE_MTP_OPT": "multi-token prediction is not implemented yet",
     "LLAMA_PLE_SHARD": "per-layer-embedding sharding is not implemented yet",

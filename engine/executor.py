@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from vegaserve.engine.config import EngineConfig
+from vegaserve.engine.distributed.allreduce_policy import AllReduceSwitches
 from vegaserve.engine.distributed.communicator import LocalCommunicator, TorchCommunicator
 from vegaserve.engine.distributed.worker import StageWorker
 from vegaserve.engine.forward_batch import StepPlan
@@ -52,8 +53,9 @@ def build_rank(launch: Launch, rank: int, show_progress: bool = False) -> StageW
         torch.set_num_threads(launch.threads)
     else:
         torch.cuda.set_device(device)
-    comm = TorchCommunicator(launch.topo, rank, launch.init_method, device, gloo=launch.shared_gpus)
     cfg = launch.config
+    switches = AllReduceSwitches(custom=cfg.parallel.custom_allreduce, two_shot=cfg.parallel.allreduce_two_shot)
+    comm = TorchCommunicator(launch.topo, rank, launch.init_method, device, gloo=launch.shared_gpus, allreduce=switches)
     gguf = GGUFFile(launch.path, cfg.model.load_mode)
     loaded = load_model(
         gguf, device, launch.max_model_len, show_progress, repack=not cfg.model.no_repack,
@@ -78,18 +80,24 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         from vegaserve.triton_kernels import pdl
 
         pdl.set_enabled(cfg.kernels.pdl)
-    graphs = device.type == "cuda" and cfg.kernels.token_graph and launch.topo.world_size == 1
+    # one GPU, or tensor parallelism alone with the peer-write AllReduce (capturable, unlike NCCL / RCCL's)
+    topo = launch.topo
+    graphs = device.type == "cuda" and cfg.kernels.token_graph and (
+        topo.world_size == 1 or (topo.pp == 1 and getattr(comm, "custom", None) is not None))
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0,
                          state_slots=cfg.scheduler.max_num_seqs)
     if graphs:
-        from vegaserve.engine.cuda_graphs import DecodeGraphs
+        from vegaserve.engine.cuda_graphs import DecodeGraphs, graph_buckets
 
-        worker.graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len, bs, device)
+        seqs = cfg.scheduler.max_num_seqs
+        worker.graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device)
         worker.graphs.capture(show_progress)
-        if cfg.speculative.enabled and worker.cache.state is None:  # (speculation on hybrid models: not yet)
-            worker.verify_graphs = DecodeGraphs(model, worker.cache, cfg.scheduler.max_num_seqs, launch.max_model_len,
-                                                bs, device, rows=cfg.speculative.max_draft + 1, max_rows=VERIFY_ROWS)
+        rows = cfg.speculative.max_draft + 1
+        # (speculation on hybrid models: not yet)
+        if cfg.speculative.enabled and worker.cache.state is None and graph_buckets(model, seqs, rows, VERIFY_ROWS):
+            worker.verify_graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device, rows=rows,
+                                                max_rows=VERIFY_ROWS)
             worker.verify_graphs.capture(show_progress, pool=worker.graphs.pool)
     return worker
 

@@ -71,6 +71,11 @@ class Communicator:
         """[rows, per_lane] slices of every lane (each lane's slice padded to one width) -> [rows, vocab]."""
         raise NotImplementedError
 
+    def captures_all_reduce(self, numel: int) -> bool:
+        """An AllReduce of numel elements can be captured in a CUDA / HIP graph: none is needed, or the
+        peer-write kernels take it (NCCL / RCCL and gloo collectives run eagerly)."""
+        return self.tp == 1
+
     def send_next(self, t: torch.Tensor) -> Any:
         """Start sending t to this lane of the next stage; returns a handle to wait on."""
         raise NotImplementedError
@@ -199,6 +204,12 @@ class TorchCommunicator(Communicator):
             if w is not t:
                 t.copy_(w)
         return t
+
+    def captures_all_reduce(self, numel: int) -> bool:
+        if self.tp == 1:
+            return True
+        return self.custom is not None and choose(self.tp, self.topo.pp, 4 * numel, self.custom.max_bytes,
+                                                  self.switches.two_shot) != "device"
 
     def gather_vocab(self, t: torch.Tensor, vocab: int) -> torch.Tensor:
         if self.tp_group is None:

@@ -77,9 +77,11 @@ class StageWorker:
         """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere.
         input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
-            return self.graphs.run(plan.seqs, input_ids, plan.state_slots)
+            out = self.graphs.run(plan.seqs, input_ids, plan.state_slots)
+            return out if self.comm.rank == 0 else None
         if self.verify_graphs is not None and input_ids is None and self.verify_graphs.fits(plan.seqs, plan.all_logits):
-            return self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits)
+            out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits)
+            return out if self.comm.rank == 0 else None
         comm, model = self.comm, self.model
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
         pending = []

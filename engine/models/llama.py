@@ -220,8 +220,15 @@ class LlamaModel(nn.Module):
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Last stage: logits [len(batch.logits_rows), vocab] in f32, gathered over the lanes."""
+        return self.gather_logits(self.lane_logits(h, batch))
+
+    def lane_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """This lane's slice of the logits rows [len(batch.logits_rows), its vocabulary share], f32."""
         h = h[batch.logits_rows]
-        logits = self.lm_head(*self.norm.forward_q8_1(h, self.lm_head.wants_q8_1(h.shape[0]))).float()
+        return self.lm_head(*self.norm.forward_q8_1(h, self.lm_head.wants_q8_1(h.shape[0]))).float()
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every lane's lane_logits -> the whole vocabulary (collective over the tensor-parallel group)."""
         if self.comm.tp == 1:
             return logits
         pad = self.vocab_width - logits.shape[1]
@@ -230,3 +237,8 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """The whole model on one stage: logits [len(batch.logits_rows), vocab] in f32."""
         return self.head(self.run_layers(self.embed_tokens(batch), cache, batch), batch)
+
+    def forward_lane(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """forward up to this lane's logits (gather_logits completes them): what a decode graph captures,
+        its AllReduces inside, the vocabulary's gather after the replay."""
+        return self.lane_logits(self.run_layers(self.embed_tokens(batch), cache, batch), batch)

@@ -102,20 +102,6 @@ def test_from_dict_refuses_unknown_keys_naming_section_and_keys() -> None:
         EngineConfig.from_dict({"server": {"prot": 1, "api_token": "k", "port": 80}})
 
 
-@pytest.mark.parametrize(
-    ("tree", "says"),
-    [
-        ({"parallel": {"custom_allreduce": True}},
-         "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
-    ],
-    ids=["custom-allreduce"],
-)  # fmt: skip
-def test_from_dict_refuses_settings_of_features_not_implemented_yet(tree: dict[str, Any], says: str) -> None:
-    with pytest.raises(ConfigError) as e:
-        EngineConfig.from_dict(tree)
-    assert str(e.value).startswith(says)
-
-
 def test_from_dict_refuses_a_section_that_is_not_a_mapping() -> None:
     with pytest.raises(ConfigError, match=r"section 'server' must be a mapping"):
         EngineConfig.from_dict({"server": 8080})
@@ -164,6 +150,8 @@ def test_merge_of_nothing_is_the_default_config() -> None:
 # name -> (value set, section, key, expected): each switch set to its non-default value
 ENV_CASES: dict[str, tuple[str, str, str, object]] = {
     "GGML_SCHED_N_COPIES": ("4", "parallel", "sched_n_copies", 4),
+    "GGML_ENABLE_CUSTOM_AR": ("1", "parallel", "custom_allreduce", True),
+    "GGML_TP_AR_TWOSHOT": ("1", "parallel", "allreduce_two_shot", True),
     "GGML_META_TOKEN_GRAPH": ("0", "kernels", "token_graph", False),
     "GGML_CUDA_Q8_1_CACHE": ("0", "kernels", "q8_1_cache", False),
     "VEGASERVE_PDL": ("0", "kernels", "pdl", False),
@@ -231,8 +219,7 @@ def test_bad_integer_value_is_refused_naming_the_variable(value: str) -> None:
 # -- switches of features not implemented yet ------------------------------------------------------------
 
 THE_FORKS_MI50_ENVIRONMENT = {
-    "GGML_ENABLE_CUSTOM_AR": "1", "GGML_TP_AR_TWOSHOT": "1", "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "bf16",
-    "LLAMA_ENABLE_MTP_OPT": "1", "LLAMA_PLE_SHARD": "1",
+    "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "bf16", "LLAMA_ENABLE_MTP_OPT": "1", "LLAMA_PLE_SHARD": "1",
 }  # fmt: skip
 
 
@@ -253,10 +240,19 @@ def test_each_not_yet_switch_gives_one_warning_naming_it_and_its_value(name: str
 
 @pytest.mark.parametrize("value", ["0", "2", "f32", ""])
 def test_a_not_yet_switch_is_reported_whatever_its_value_and_never_refused(value: str) -> None:
-    assert ignored_switches({"GGML_TP_AR_TWOSHOT": value}) == [
-        f"GGML_TP_AR_TWOSHOT={value} is set: {NOT_YET['GGML_TP_AR_TWOSHOT']}; ignored"
+    assert ignored_switches({"LLAMA_PLE_SHARD": value}) == [
+        f"LLAMA_PLE_SHARD={value} is set: {NOT_YET['LLAMA_PLE_SHARD']}; ignored"
     ]
-    assert config_from_env({"GGML_TP_AR_TWOSHOT": value}) == {}
+    assert config_from_env({"LLAMA_PLE_SHARD": value}) == {}
+
+
+def test_the_custom_allreduce_switches_reach_the_parallel_settings() -> None:
+    tree = config_from_env({"GGML_ENABLE_CUSTOM_AR": "1", "GGML_TP_AR_TWOSHOT": "0"})
+    assert tree == {"parallel": {"custom_allreduce": True, "allreduce_two_shot": False}}
+    par = EngineConfig.from_dict(tree).parallel
+    assert par.custom_allreduce is True and par.allreduce_two_shot is False
+    assert EngineConfig().parallel.custom_allreduce is False and EngineConfig().parallel.allreduce_two_shot is None
+    assert ignored_switches({"GGML_ENABLE_CUSTOM_AR": "1"}) == []
 
 
 def test_no_not_yet_switch_set_gives_no_warning() -> None:

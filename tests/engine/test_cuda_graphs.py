@@ -202,3 +202,26 @@ def test_replayed_graphs_equal_eager_decode_on_gpu(gguf_factory, tmp_path: Path)
     assert greedy(prompts) == eager_tokens
 
 
+
+
+def test_under_tensor_parallelism_only_buckets_the_peer_write_allreduce_takes_are_captured() -> None:
+    """The vendor AllReduce (NCCL / RCCL, gloo) runs eagerly: a bucket whose AllReduce of [rows, hidden] f32
+    would pass the peer-write kernels' size gate, or a group without them, gets no graph."""
+    from types import SimpleNamespace
+
+    from vegaserve.engine.cuda_graphs import graph_buckets
+    from vegaserve.engine.distributed.allreduce_policy import AllReduceSwitches
+    from vegaserve.engine.distributed.communicator import TorchCommunicator
+    from vegaserve.engine.distributed.topology import Topology
+
+    comm = TorchCommunicator.__new__(TorchCommunicator)  # the policy only: no process group
+    comm.topo, comm.rank, comm.switches = Topology(2, 1), 0, AllReduceSwitches(custom=True)
+    comm.custom = SimpleNamespace(max_bytes=512 * 1024)
+    model = SimpleNamespace(comm=comm, cfg=SimpleNamespace(hidden_size=4096))
+    assert graph_buckets(model, 256) == (1, 2, 4, 8, 16, 32)  # 32 x 4096 x 4 bytes = the gate
+    assert graph_buckets(model, 256, rows=5) == (1, 2, 4)
+    assert graph_buckets(model, 256, rows=40) == ()
+    comm.custom = None  # refused at start, or off
+    assert graph_buckets(model, 256) == ()
+    comm.topo = Topology(1, 1)
+    assert graph_buckets(model, 256) == buckets_for(256)

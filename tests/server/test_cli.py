@@ -270,10 +270,10 @@ def test_bad_speculative_flags_exit_2_with_one_line_before_any_model_loads(
     [
         ("speculative:\n  spec_type: ngram\n", "unknown setting(s) in 'speculative': spec_type"),
         ("speculative:\n  type: ngram\n  draft_max: 0\n", "--draft-max must be at least 1, got 0"),
-        ("parallel:\n  split_mode: tensor\n  custom_allreduce: true\n",
-         "config setting parallel.custom_allreduce: the custom AllReduce is not implemented yet"),
+        ("parallel:\n  split_mode: tensor\n  custom_allreduce: maybe\n",
+         "parallel.custom_allreduce must be true or false, got 'maybe'"),
     ],
-    ids=["misspelt-key", "draft-max-0", "custom-allreduce"],
+    ids=["misspelt-key", "draft-max-0", "custom-allreduce-not-a-flag"],
 )  # fmt: skip
 def test_bad_or_not_yet_settings_in_the_config_file_exit_2_with_one_line(
     tmp_path: Path, content: str, says: str, served: list[EngineConfig], capsys: pytest.CaptureFixture[str]
