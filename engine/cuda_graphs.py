@@ -77,7 +77,7 @@ class DecodeGraphs:
         state = cache.state
         if state is not None and rows > 1:
             raise ValueError("verify graphs are for models without recurrent state")
-        if state is not None and state.conv.shape[1] <= state.slots:
+        if state is not None and state.conv.shape[1] <= state.spare_slot:
             raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
         self.model, self.cache, self.device = model, cache, device
         self.block_size = block_size
@@ -91,7 +91,7 @@ class DecodeGraphs:
         # a verify row's keys run up to start + R: the tables reach R - 1 positions past max_model_len
         self.max_blocks = -(-(max_model_len + R - 1) // block_size)
         self.spare_block = cache.num_slots // block_size
-        self.spare_state = state.slots if state is not None else -1
+        self.spare_state = state.spare_slot if state is not None else -1
         # staging layout, int32: ids [N] | positions [N] | new slots [N] | (verify: logits rows [N]) | key
         # counts [B] | (hybrid models: state slots [B]) | tables [B, blocks]
         sizes = [("ids", N), ("pos", N), ("slots", N), ("logit_rows", N if R > 1 else 0), ("lens", B),

@@ -86,7 +86,7 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         topo.world_size == 1 or (topo.pp == 1 and getattr(comm, "custom", None) is not None))
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0,
-                         state_slots=cfg.scheduler.max_num_seqs)
+                         state_slots=cfg.scheduler.max_num_seqs, state_backups=cfg.speculative.enabled)
     if graphs:
         from vegaserve.engine.cuda_graphs import DecodeGraphs, graph_buckets
 

@@ -26,7 +26,7 @@ kept by the worker); decode steps that replay a graph do not build a ForwardBatc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -41,6 +41,11 @@ class StepPlan:
     all_logits: list[bool]  # per sequence: logits for every new token, else only for its last
     block_size: int  # tokens per KV block: position p is in slot blocks[p // bs] * bs + p % bs
     state_slots: tuple[int, ...] = ()  # hybrid models: each sequence's recurrent-state slot; else empty
+    # hybrid models, speculative decoding: the sequences (indices) whose state is backed up before this step
+    # and whose rows' inputs to it are kept (verify steps), and the state slots to roll back first, each to
+    # its backup advanced by its first m rows of the last verify step (slot, m)
+    snapshot: tuple[int, ...] = ()
+    rollback: tuple[tuple[int, int], ...] = ()
 
 
 class HostStaging:
@@ -109,6 +114,15 @@ class RecurrentInputs:
     max_query_len: int
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The sequences of a step whose rows' inputs to the recurrent state are kept (engine/layers/delta_net.py
+    SavedRows): (state slot, first kept row, rows) of each, and rows [kept] int64, their rows in the batch."""
+
+    seqs: list[tuple[int, int, int]]
+    rows: torch.Tensor
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -120,11 +134,13 @@ class ForwardBatch:
     # query_start; `attention` computes them where a batch was made without build
     meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     state_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # hybrid models: state slots, has_state, staged
+    snapshot: Snapshot | None = None  # hybrid models' verify steps (StepPlan.snapshot)
+    saved: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # what the layers kept of `snapshot`
 
     @classmethod
     def build(cls, seqs: list[tuple[Sequence[int], int, list[int]]], all_logits: list[bool], device: torch.device,
               block_size: int | None = None, staging: HostStaging | None = None,
-              state_slots: Sequence[int] = ()) -> ForwardBatch:
+              state_slots: Sequence[int] = (), snapshot: Sequence[int] = ()) -> ForwardBatch:
         """seqs: (slots of positions 0..start+n-1, start, new token ids); all_logits[i]: logits for every new
         token of sequence i, else for its last one. block_size: the KV pool's, for block tables. staging:
         where the host data goes to the device in one copy (else one tensor per piece). state_slots: each
@@ -157,7 +173,17 @@ class ForwardBatch:
         owners = list(state_slots) or [-1] * len(seqs)
         slices = [SeqSlice(start=a, n=n, offset=o, slots=t, state_slot=k)
                   for (a, n, o), t, k in zip(spans, slot_ts, owners, strict=True)]
-        return cls(ids_t, pos_t, slices, rows_t, block_size, meta, state_meta or None)
+        snap = None
+        if snapshot:
+            if not state_slots:
+                raise ValueError("a snapshot needs the sequences' state slots")
+            kept, rows = [], []
+            for i in snapshot:
+                a, n, o = spans[i]
+                kept.append((owners[i], len(rows), n))
+                rows.extend(range(o, o + n))
+            snap = Snapshot(kept, torch.tensor(rows, dtype=torch.int64, device=device))
+        return cls(ids_t, pos_t, slices, rows_t, block_size, meta, state_meta or None, snap)
 
     @cached_property
     def recurrent(self) -> RecurrentInputs:

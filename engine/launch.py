@@ -99,7 +99,9 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     kv_layers = len(layers) if hy is None else sum(not hy.recurrent[i] for i in layers if i < hy.trunk)
     kv_heads = kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp)
     kv = 2 * kv_layers * launch.num_slots * kv_heads * arch.head_dim * itemsize
-    state = 0 if hy is None else hy.state_bytes(layers) * launch.config.scheduler.max_num_seqs
+    # (speculative decoding keeps a backup of each sequence's state for its verify steps)
+    state = 0 if hy is None else hy.state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
+        1 + launch.config.speculative.enabled)
     return n // launch.topo.tp + kv + state
 
 

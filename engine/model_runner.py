@@ -72,6 +72,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.readback = TokenReadback()
         self.masks = masks  # fills guided requests' masks; None: the engine serves no grammars
+        # hybrid models: (state slot, rows kept) of the last verify step's sequences whose guesses were not all
+        # kept, for the next step's plan (StepPlan.rollback)
+        self.rollback: list[tuple[int, int]] = []
 
     @property
     def cache(self):
@@ -90,8 +93,12 @@ class ModelRunner:
         wants_prompt = [s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_ids) for s in batch.seqs]
         every = [w or bool(s.drafts) for s, w in zip(batch.seqs, wants_prompt, strict=True)]
         states = tuple(s.request.state_slot for s in batch.seqs)  # hybrid models: each one's recurrent-state slot
+        states = () if None in states else states
+        # hybrid models: a drafted sequence's state is backed up and its rows' inputs kept, for a roll back
+        snapshot = tuple(i for i, s in enumerate(batch.seqs) if s.drafts) if states else ()
         plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size,
-                        () if None in states else states)
+                        states, snapshot, tuple(self.rollback))
+        self.rollback = []
         step = StepInFlight(self, batch, wants_prompt)
         if input_ids is None:  # the guided requests' matchers have seen every token: fill beside the forward
             step.start_masks()
@@ -186,6 +193,10 @@ class StepInFlight:
         for i, v in zip(self.drafted, self.verified or (), strict=True):
             results[i].token_ids = v.token_ids
             results[i].logprobs = v.logprobs
+            s = self.batch.seqs[i]
+            # rows kept: the last token and the guesses accepted (the target's own token comes next step)
+            if s.request.state_slot is not None and len(v.token_ids) < len(s.tokens):
+                self.runner.rollback.append((s.request.state_slot, len(v.token_ids)))
         return StepOutput(results)
 
     def _prompt_logprobs(self, s, logits: torch.Tensor) -> list[TokenLogprob | None]:

@@ -199,17 +199,13 @@ def _checked_draft(gguf, target_tokens: Sequence[str]):
 
 
 def check_speculative(config: EngineConfig, arch, gguf) -> None:
-    """Every speculative setup that cannot work fails here with one line, before any weights load: a
-    hybrid target, draft-mtp (no MTP head, or not run yet), a draft of another vocabulary or a hybrid one."""
+    """Every speculative setup that cannot work fails here with one line, before any weights load: draft-mtp
+    (no MTP head, or not run yet), a draft of another vocabulary or a hybrid one."""
     from vegaserve.engine.gguf_file import GGUFFile
 
     spec = config.speculative
     if not spec.enabled:
         return
-    if arch.hybrid is not None:
-        raise ConfigError(f"{gguf.path}: --spec-type {spec.type} is not supported yet for the hybrid "
-                          f"linear-attention architecture {arch.architecture}: a rejected guess would have to roll "
-                          f"back each sequence's recurrent state, not only its KV length")
     if spec.type == "draft-mtp":
         nextn = int(gguf.metadata.get(f"{arch.architecture}.nextn_predict_layers", 0) or 0)
         if not nextn:

@@ -21,6 +21,7 @@ import torch
 from vegaserve.engine.distributed.communicator import Communicator
 from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, StepPlan
 from vegaserve.engine.layers.attention import KVCache
+from vegaserve.engine.layers.delta_net import SavedRows
 from vegaserve.engine.models.llama import LlamaModel
 
 
@@ -58,15 +59,16 @@ class StageWorker:
 
     def __init__(self, model: LlamaModel, comm: Communicator, num_slots: int, device: torch.device,
                  n_copies: int | None = None, kv_dtype: torch.dtype = torch.float32, spare_slots: int = 0,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, state_backups: bool = False) -> None:
         self.model = model
         self.comm = comm
         self.device = device
         cfg = model.cfg
         self.cache = KVCache(model.n_cache_layers, num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
-        self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0))
+        self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0), backups=state_backups)
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
         self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
+        self.saved: SavedRows | None = None  # hybrid models: the last verify step's rows, for a roll back
         self.staging = HostStaging(device)
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
@@ -76,6 +78,11 @@ class StageWorker:
     def run(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere.
         input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
+        state = self.cache.state
+        if plan.rollback:  # the last verify step's rejected rows out of the recurrent state
+            state.roll_back(self.saved, list(plan.rollback))
+        if plan.snapshot:
+            state.back_up([plan.state_slots[i] for i in plan.snapshot])
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
             out = self.graphs.run(plan.seqs, input_ids, plan.state_slots)
             return out if self.comm.rank == 0 else None
@@ -83,12 +90,13 @@ class StageWorker:
             out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits)
             return out if self.comm.rank == 0 else None
         comm, model = self.comm, self.model
-        groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 else [plan]
+        # (a step with a snapshot keeps its rows' inputs in one piece: one micro-batch)
+        groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 and not plan.snapshot else [plan]
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
             fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging,
-                                    g.state_slots)
+                                    g.state_slots, g.snapshot)
             if input_ids is not None:
                 fb.input_ids = input_ids
             if comm.is_first_stage:
@@ -96,6 +104,9 @@ class StageWorker:
             else:
                 h = comm.recv_prev((fb.input_ids.numel(), self.hidden), torch.float32, self.device)
             h = model.run_layers(h, self.cache, fb)
+            if fb.snapshot is not None:
+                layers = [fb.saved[i] for i in sorted(fb.saved)]
+                self.saved = SavedRows(fb.snapshot.seqs, *(torch.stack(parts) for parts in zip(*layers, strict=True)))
             if not comm.is_last_stage:
                 pending.append(comm.send_next(h))
                 continue

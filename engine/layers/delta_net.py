@@ -17,6 +17,8 @@ token, else the prefill forms.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,20 +31,100 @@ from vegaserve.triton_kernels.conv1d import causal_conv1d_ref
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked_ref, delta_rule_recurrent_ref, expand_heads
 
 
+# A step with verify rows takes the token-by-token delta rule while no sequence brings more rows than this
+# (speculative decoding's drafts, at most --draft-max + 1): a verify row then computes as decode does.
+ONE_BY_ONE_ROWS = 64
+
+
 class RecurrentState:
     """Per linear-attention layer of a rank and per sequence slot, f32: conv [layers, slots, K - 1, conv_dim]
     (the last inputs, oldest first) and ssm [layers, slots, v_heads, D, D] (the delta rule's state, index
-    [key, value]). `spare` slots past `slots` belong to no sequence: a decode graph's padded rows use them."""
+    [key, value]). With `backups` (speculative decoding), slot s + slots holds slot s's state from before
+    its last verify step (`back_up`). `spare` slots past those belong to no sequence: a decode graph's padded
+    rows use them (the first is `spare_slot`)."""
 
-    def __init__(self, n_layers: int, slots: int, cfg: HybridConfig, device: torch.device, spare: int = 0) -> None:
-        n = slots + spare
+    def __init__(self, n_layers: int, slots: int, cfg: HybridConfig, device: torch.device, spare: int = 0,
+                 backups: bool = False) -> None:
+        n = slots * (1 + backups) + spare
         self.conv = torch.zeros(n_layers, n, cfg.conv_kernel - 1, cfg.conv_dim, device=device)
         self.ssm = torch.zeros(n_layers, n, cfg.v_heads, cfg.head_dim, cfg.head_dim, device=device)
         self.slots = slots
+        self.backups = backups
+        self.tiled = cfg.tiled
+
+    @property
+    def spare_slot(self) -> int:
+        return self.slots * (1 + self.backups)
 
     @property
     def nbytes(self) -> int:
         return (self.conv.numel() + self.ssm.numel()) * 4
+
+    def back_up(self, slots: list[int]) -> None:
+        """Every layer's state of `slots` into their backups (before a verify step)."""
+        if not self.backups:
+            raise ValueError("this recurrent state keeps no backups (speculative decoding is off)")
+        own = torch.tensor(slots, device=self.conv.device)
+        self.conv[:, own + self.slots] = self.conv[:, own]
+        self.ssm[:, own + self.slots] = self.ssm[:, own]
+
+    def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
+        """After a verify step whose guesses were not all kept: each (slot, m) of `keep` goes back to its
+        backup advanced by its first m rows of that step, from the rows' inputs `saved` kept (every
+        layer at once): the conv rows are the last K - 1 of [backup rows; the m rows' inputs], the delta
+        rule's state the recurrence over the m rows from the backup's (as a decode step computes it).
+        kernel: through delta_rule_recurrent (None: on a GPU), else the torch reference."""
+        slots = [s for s, _ in keep]
+        where = {slot: (at, n) for slot, at, n in saved.seqs}
+        if any(s not in where or not 0 < m <= where[s][1] for s, m in keep):
+            raise ValueError(f"roll back {keep}: the last verify step kept rows of {saved.seqs}")
+        L, K1 = self.conv.shape[0], self.conv.shape[2]
+        dev = self.conv.device
+        own = torch.tensor(slots, device=dev)
+        # the conv rows: index into [backups of the slots (K - 1 rows each); the saved rows], per layer
+        idx = []
+        for i, (s, m) in enumerate(keep):
+            at = where[s][0]
+            ext = [i * K1 + j for j in range(K1)] + [len(keep) * K1 + at + r for r in range(m)]
+            idx.extend(ext[len(ext) - K1 :])
+        src = torch.cat([self.conv[:, own + self.slots].reshape(L, -1, self.conv.shape[3]), saved.mixed.float()], dim=1)
+        self.conv[:, own] = src[:, torch.tensor(idx, device=dev)].view(L, len(keep), K1, -1)
+        self.ssm[:, own] = self.ssm[:, own + self.slots]
+        rows = torch.tensor([where[s][0] + r for s, m in keep for r in range(m)], device=dev)
+        k, v, g, beta = (t[:, rows] for t in (saved.k, saved.v, saved.g, saved.beta))  # [L, rows, ...]
+        if kernel if kernel is not None else dev.type == "cuda":
+            from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
+
+            # every (layer, sequence) a sequence of the kernel's flat batch over the layers' stacked states
+            n_slots = self.ssm.shape[1]
+            flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+            lanes = (torch.arange(L, device=dev)[:, None] * n_slots + own[None, :]).flatten().to(torch.int32)
+            lens = torch.tensor([m for _, m in keep], device=dev).repeat(L)
+            qstart = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+            delta_rule_recurrent(flat(k), flat(k), flat(v), flat(g), flat(beta), self.ssm.view(-1, *self.ssm.shape[2:]),
+                                 lanes, torch.ones_like(lanes), qstart, self.tiled)
+            return
+        at = 0
+        for s, m in keep:
+            for layer in range(L):
+                kl = expand_heads(k[layer, at : at + m], v.shape[2], self.tiled)
+                _, self.ssm[layer, s] = delta_rule_recurrent_ref(kl, kl, v[layer, at : at + m], g[layer, at : at + m],
+                                                                 beta[layer, at : at + m], self.ssm[layer, s])
+            at += m
+
+
+@dataclass
+class SavedRows:
+    """A verify step's rows of the sequences it snapshotted, every linear-attention layer's inputs to the
+    state (stacked over layers): mixed [L, rows, conv_dim] (the conv's input), k [L, rows, HK, D]
+    (normalized), v [L, rows, HV, D], g, beta [L, rows, HV]; seqs: (slot, first row, rows) of each."""
+
+    seqs: list[tuple[int, int, int]]
+    mixed: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):
@@ -94,20 +176,30 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g = self.ssm_a * F.softplus(a.float() + self.dt_bias)
         conv, ssm = state.conv[self.state_layer], state.ssm[self.state_layer]
+        snap = batch.snapshot
         if x.is_cuda or not batch.seqs:
-            o = self._kernels(mixed.contiguous(), g, beta, conv, ssm, batch)
+            o, y = self._kernels(mixed.contiguous(), g, beta, conv, ssm, batch)
         else:
             o = torch.empty(T, hv, cfg.head_dim, dtype=torch.float32, device=x.device)
+            y = torch.empty_like(mixed) if snap is not None else None
+            verifying = {slot for slot, _, _ in snap.seqs} if snap is not None else set()
             for s in batch.seqs:
                 if s.state_slot < 0:  # -1 would index the last slot: another sequence's state
                     raise ValueError("a hybrid model's step needs every sequence's state slot (StepPlan.state_slots)")
                 rows = slice(s.offset, s.offset + s.n)
                 keep = s.start > 0
-                y, conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w, conv[s.state_slot] if keep else None)
-                q, k, v = self._qkv(y)
+                ys, conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w, conv[s.state_slot] if keep else None)
+                if y is not None:
+                    y[rows] = ys
+                q, k, v = self._qkv(ys)
                 q, k = (expand_heads(t, hv, cfg.tiled) for t in (q, k))
-                rule = delta_rule_recurrent_ref if s.n == 1 else delta_rule_chunked_ref  # decode: no 64-row chunk
+                # decode, and a verify step's rows (as decode computes them): token by token; prompts in chunks
+                one_by_one = s.n == 1 or s.state_slot in verifying
+                rule = delta_rule_recurrent_ref if one_by_one else delta_rule_chunked_ref
                 o[rows], ssm[s.state_slot] = rule(q, k, v, g[rows], beta[rows], ssm[s.state_slot] if keep else None)
+        if snap is not None:  # the snapshotted rows' inputs to the state, for a roll back after verification
+            _, k, v = self._qkv(y[snap.rows])
+            batch.saved[self.state_layer] = (mixed[snap.rows], k, v, g[snap.rows], beta[snap.rows])
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w
         o = (o * F.silu(z.float().view(T, hv, cfg.head_dim))).to(x.dtype)
         return self.out_proj(o.view(T, cfg.value_dim))
@@ -123,8 +215,9 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, cfg.v_heads, cfg.head_dim)
 
     def _kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                 batch: ForwardBatch) -> torch.Tensor:
-        """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch)."""
+                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch): (o, the
+        conv's output)."""
         from vegaserve.triton_kernels.conv1d import conv1d_prefill, conv1d_update
         from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
         from vegaserve.triton_kernels.delta_rule_chunked import delta_rule_chunked
@@ -136,5 +229,7 @@ class GatedDeltaNet(nn.Module):
         else:
             y = conv1d_prefill(mixed, self.conv_w, conv, r.slots, r.has_state, r.query_start)
         q, k, v = self._qkv(y)
-        rule = delta_rule_recurrent if decode else delta_rule_chunked
-        return rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
+        # a verify step's few rows a sequence token by token, as decode computes them; prompts in chunks
+        one_by_one = decode or (batch.snapshot is not None and r.max_query_len <= ONE_BY_ONE_ROWS)
+        rule = delta_rule_recurrent if one_by_one else delta_rule_chunked
+        return rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled), y

@@ -1,9 +1,9 @@
 """Recurrent state in the engine (hybrid models): each running sequence holds a state slot beside its KV
 blocks; admission needs one, preemption, abort and finish give it back; a prompt's chunks carry the state
 from step to step; sequences batched together (prompt chunks beside decodes) each see only their own state;
-the slot reaches every rank of a pipeline; a decode graph's static batch stages it. Also what is refused:
-speculative decoding and tensor parallelism with a hybrid model, and files whose layer pattern or state sizes
-disagree (named by layer). Models: the converted tiny ones of tests/data/hybrid."""
+the slot reaches every rank of a pipeline; a decode graph's static batch stages it; speculative decoding rolls
+it back to the guesses kept. Also what is refused: tensor parallelism with a hybrid model, and files whose layer
+pattern or state sizes disagree (named by layer). Models: the converted tiny ones of tests/data/hybrid."""
 
 from __future__ import annotations
 
@@ -253,10 +253,70 @@ def test_a_step_without_state_slots_is_refused(converted):
 
 # -- refused ------------------------------------------------------------------------------------------------
 
-def test_speculative_decoding_is_refused_at_start_for_a_hybrid_model(converted):
-    with pytest.raises(ConfigError, match="--spec-type ngram is not supported yet for the hybrid linear-attention "
-                                          "architecture qwen35"):
-        converted.core(DATA, "qwen35", speculative={"type": "ngram"})
+class _Oracle:
+    """A proposer that knows the plain run's tokens and guesses them with one wrong token at a position that
+    moves from step to step, so that verification keeps 0, 1, 2 ... guesses: every partial roll back."""
+
+    def __init__(self, plain: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.plain, self.vocab, self.turn = plain, vocab, 0
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks, strict=True):
+            truth = self.plain[tuple(r.prompt_ids)][len(r.output_ids) : len(r.output_ids) + k]
+            self.turn += 1
+            bad = self.turn % (k + 1)  # k + 1: no wrong token, every guess kept
+            out.append([(t + 1) % self.vocab if j == bad else t for j, t in enumerate(truth)])
+        return out
+
+    def forget(self, request_id):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe", "qwen3next"])
+def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept_guesses(converted, name):
+    """Greedy, three requests side by side with up to 4 guesses a step from a proposer whose first wrong guess
+    moves through every position: the outputs equal plain decoding's token for token, each rejected guess
+    taken out of the recurrent state (rolled back to the kept rows from its backup and the rows' inputs), and
+    every state slot and KV block given back."""
+    from vegaserve.engine.layers import delta_net
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (7, 30, 12)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(core: EngineCore) -> list[list[int]]:
+        reqs = [GenerateRequest(list(p), params) for p in prompts]
+        for r in reqs:
+            core.add_request(r)
+        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while core.has_work:
+            for out in core.step():
+                got[out.request_id].extend(out.token_ids)
+        return [got[r.request_id] for r in reqs]
+
+    plain = run(converted.core(DATA, name))
+    core = converted.core(DATA, name, speculative={"type": "ngram", "draft_max": 4})
+    core.spec.proposer = _Oracle({tuple(p): t for p, t in zip(prompts, plain, strict=True)}, core.arch.vocab_size)
+    kept: list[int] = []
+    roll_back = delta_net.RecurrentState.roll_back
+
+    def spy(self, saved, keep):
+        kept.extend(m for _, m in keep)
+        return roll_back(self, saved, keep)
+
+    delta_net.RecurrentState.roll_back = spy
+    try:
+        assert run(core) == plain
+    finally:
+        delta_net.RecurrentState.roll_back = roll_back
+    st = core.stats()
+    assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+    assert set(kept) == {1, 2, 3, 4}  # rows kept: the last token and 0 .. 3 guesses
+    assert core.states.num_free == 4 and core.pool.num_referenced == 0
 
 
 def test_tensor_parallelism_is_refused_at_start_for_a_hybrid_model(converted):
@@ -355,3 +415,41 @@ def _core_from(path: Path) -> None:
     from vegaserve.engine.models.registry import load_model
 
     load_model(GGUFFile(path), torch.device("cpu"), 64, show_progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel on CPU tensors runs under the interpreter only")
+def test_the_roll_back_kernel_path_equals_the_torch_path():
+    """RecurrentState.roll_back over two layers and two sequences (2 of 4 and 3 of 3 rows kept, grouped value
+    heads): the kernel path (every (layer, sequence) one sequence of delta_rule_recurrent's flat batch over the
+    stacked states) gives the torch path's conv rows exactly and its delta-rule state within 1e-5; the other
+    slots and the backups are untouched."""
+    from types import SimpleNamespace
+
+    from vegaserve.engine.layers.delta_net import RecurrentState, SavedRows
+
+    cfg = SimpleNamespace(conv_kernel=4, conv_dim=40, v_heads=4, head_dim=8, tiled=False)
+    L, HK = 2, 2
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    states = []
+    for _ in range(2):
+        st = RecurrentState(L, 3, cfg, torch.device("cpu"), spare=1, backups=True)
+        states.append(st)
+    for t in (states[0].conv, states[0].ssm):
+        t.copy_(rnd(*t.shape))
+    states[1].conv.copy_(states[0].conv)
+    states[1].ssm.copy_(states[0].ssm)
+    k = torch.nn.functional.normalize(rnd(L, 7, HK, 8), dim=-1)
+    saved = SavedRows([(1, 0, 4), (2, 4, 3)], rnd(L, 7, 40), k, rnd(L, 7, 4, 8), -rnd(L, 7, 4).abs(),
+                      torch.sigmoid(rnd(L, 7, 4)))
+    keep = [(1, 2), (2, 3)]
+    before = [t.clone() for t in (states[0].conv, states[0].ssm)]
+    states[0].roll_back(saved, keep, kernel=False)
+    states[1].roll_back(saved, keep, kernel=True)
+    assert torch.equal(states[1].conv, states[0].conv)
+    assert float((states[1].ssm - states[0].ssm).abs().max()) < 1e-5
+    untouched = [0, 4, 5, 6]  # slot 0, the backups 3..5 and the spare
+    for a, b in zip((states[0].conv, states[0].ssm), before, strict=True):
+        assert torch.equal(a[:, untouched], b[:, untouched])
+    # slot 1's conv rows: its backup's last row, then the first two saved rows
+    assert torch.equal(states[0].conv[:, 1], torch.cat([before[0][:, 4, 2:], saved.mixed[:, :2]], dim=1))
