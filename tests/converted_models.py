@@ -31,11 +31,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def core(data: Path, name: str, variant: str = "f32", **sections) -> EngineCore:
+def core(data: Path, name: str, variant: str = "f32", device: str = "cpu", **sections) -> EngineCore:
     """`{name}-{variant}.gguf` on the CPU's f32 path (VEGASERVE_CPU_INT4=0: every matrix dequantized, as the
-    references compute): 4 sequences of 256 tokens unless `sections` say otherwise."""
+    references compute), or on `device`: 4 sequences of 256 tokens unless `sections` say otherwise."""
     cfg = {"model": {"path": str(data / f"{name}-{variant}.gguf")}, "cache": {"context_size": 256},
-           "scheduler": {"max_num_seqs": 4}, "device": "cpu", "kernels": {"cpu_int4": False}}
+           "scheduler": {"max_num_seqs": 4}, "device": device, "kernels": {"cpu_int4": False}}
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
