@@ -114,7 +114,7 @@ class DecodeGraphs:
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
         self.has_state = torch.zeros(B, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if on_gpu else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         # a padded sequence's rows: positions 0 .. R - 1, writing to the spare block's slots (in turn)
         self._pad_pos = np.tile(np.arange(R, dtype=np.int32), B)
         self._pad_slots = self.spare_block * block_size + self._pad_pos % block_size
@@ -196,7 +196,8 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self._widen(b)
                     logits = self.model.forward_lane(fb, self.cache)
-                self.graphs[b] = (graph, logits)
+                # (draft-mtp: the output-normed hidden states, a static buffer of the graph's too)
+                self.graphs[b] = (graph, logits, self.model.hidden if self.model.keep_hidden else None)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured %s graphs for batch sizes %s in %.1f s", what, ",".join(map(str, self.buckets)),
@@ -271,6 +272,7 @@ class DecodeGraphs:
             self._widen(b)
             return self.model.forward(self._batch(b), self.cache)[:wanted]
         self.copied.record()
-        graph, logits = self.graphs[b]
+        graph, logits, hidden = self.graphs[b]
         graph.replay()
+        self.model.hidden = hidden
         return self.model.gather_logits(logits[:wanted])

@@ -70,7 +70,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.spec = make_speculator(config, self.gguf, self.device, num_blocks, self.max_model_len, show_progress)
+        self.spec = make_speculator(config, self.gguf, self.device, num_blocks, self.max_model_len, show_progress,
+                                    self.executor)
         async_decode = config.scheduler.async_decode
         if async_decode is None:
             async_decode = self.device.type != "cpu"
@@ -135,7 +136,11 @@ class EngineCore:
             (batch, launched), self.in_flight = self.in_flight, None
         launched.draw()
         self.in_flight = self._launch_next(batch, launched)
-        return self.update(batch, launched.result())
+        result = launched.result()
+        if self.spec is not None:  # rows computed for good: a drafted one's last token and guesses kept
+            self.spec.observe(batch, [len(res.token_ids) if s.drafts else len(s.tokens)
+                                      for s, res in zip(batch.seqs, result.results, strict=True)])
+        return self.update(batch, result)
 
     def _launch_next(self, batch: ScheduledBatch, launched: StepInFlight) -> tuple[ScheduledBatch, StepInFlight] | None:
         """Async decode: the decode step after `batch`, launched on its drawn tokens (see the module doc)."""

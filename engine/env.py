@@ -48,7 +48,7 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
 # changes nothing. Not refused, because MI50 launch scripts export the fork's recommended environment.
 NOT_YET: dict[str, str] = {
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "a choice of compute type for bf16 weights is not implemented yet",
-    "LLAMA_ENABLE_MTP_OPT": "multi-token prediction is not implemented yet",
+    "LLAMA_ENABLE_MTP_OPT": "the fork's MTP optimizations are not implemented yet (draft-mtp runs without them)",
     "LLAMA_PLE_SHARD": "per-layer-embedding sharding is not implemented yet",
 }
 

@@ -80,6 +80,8 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         from vegaserve.triton_kernels import pdl
 
         pdl.set_enabled(cfg.kernels.pdl)
+    if cfg.speculative.type == "draft-mtp":  # before the KV cache: the MTP block's layer joins it
+        model.use_mtp()
     # one GPU, or tensor parallelism alone with the peer-write AllReduce (capturable, unlike NCCL / RCCL's)
     topo = launch.topo
     graphs = device.type == "cuda" and cfg.kernels.token_graph and (

@@ -97,6 +97,8 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     itemsize = torch.empty(0, dtype=kv_cache_dtype(launch.config.cache.kv_dtype, torch.device(launch.device_type))).element_size()
     hy = arch.hybrid
     kv_layers = len(layers) if hy is None else sum(not hy.recurrent[i] for i in layers if i < hy.trunk)
+    if hy is not None and launch.config.speculative.type == "draft-mtp":  # the MTP blocks' attention
+        kv_layers += sum(i >= hy.trunk for i in layers)
     kv_heads = kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp)
     kv = 2 * kv_layers * launch.num_slots * kv_heads * arch.head_dim * itemsize
     # (speculative decoding keeps a backup of each sequence's state for its verify steps)

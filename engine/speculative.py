@@ -187,6 +187,95 @@ class DraftModelProposer:
         self.executor.close()
 
 
+@dataclass
+class _MtpState:
+    done: int = 0  # positions whose MTP KV is written for good (token and paired hidden state final)
+    h_from: int = 0  # the trunk's hidden states kept: of positions h_from .. h_from + len - 1
+    h: list[Tensor] = field(default_factory=list)
+
+
+class MtpProposer:
+    """draft-mtp: the target's own MTP (NextN) block drafts (models/hybrid.py NextNHead), on the target's
+    device, its KV in a cache layer beside the trunk's (the same slots: the request's blocks cover it, and
+    the KV length rolls back with the target's). After each target step `observe` keeps the rows the step
+    computed for good (a verify step's: those kept) of the trunk's output-normed hidden states. `propose`
+    then, per request, catches the block up (position p pairs token p with the hidden state of p - 1; a
+    request's first position with zeros), its last row the request's newest token, whose logits give the
+    first guess; each further guess feeds the guess before with the block's own output hidden state.
+    Greedy; a draft with non-finite logits is dropped whole. One process only."""
+
+    needs_slots = True  # propose writes KV at the guesses' positions: extend gives the slots first
+
+    def __init__(self, executor, block_size: int) -> None:
+        self.worker = executor.worker
+        self.model = self.worker.model
+        self.head = self.model.nextn[0]
+        self.block_size = block_size
+        self.states: dict[str, _MtpState] = {}
+        self.non_finite = 0
+
+    def observe(self, batch: ScheduledBatch, kept_rows: list[int]) -> None:
+        """After a target step: kept_rows[i] of batch.seqs[i]'s rows are computed for good."""
+        hidden = self.model.hidden
+        at = 0
+        for s, kept in zip(batch.seqs, kept_rows, strict=True):
+            st = self.states.setdefault(s.request.request_id, _MtpState())
+            if s.start != st.h_from + len(st.h):  # recomputed from an earlier position (preempted)
+                st.done = min(st.done, s.start)
+                st.h_from, st.h = s.start, []
+            st.h.extend(hidden[at : at + kept].float().clone().unbind())  # (a graph's buffer: copied)
+            at += len(s.tokens)
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        from vegaserve.engine.forward_batch import ForwardBatch, StepPlan
+
+        worker, model, bs = self.worker, self.model, self.block_size
+        dev = worker.device
+        drafts: list[list[int]] = [[] for _ in reqs]
+        seqs, h_in, live = [], [], []
+        for i, r in enumerate(reqs):
+            st = self.states.get(r.request_id)
+            start = r.num_computed  # the step to verify starts at the request's newest token
+            if st is None or st.h_from + len(st.h) != start:
+                continue  # (its hidden states are not all seen: no guess this step)
+            rows = [st.h[p - 1 - st.h_from] if p - 1 >= st.h_from else torch.zeros(model.cfg.hidden_size, device=dev)
+                    for p in range(st.done, start + 1)]
+            seqs.append((r.table.blocks_of(start + 1), st.done, r.token_slice(st.done, start + 1 - st.done)))
+            h_in.extend(rows)
+            live.append((i, r, start))
+            st.done = start + 1  # the newest token is the target's own: its MTP row is final
+            st.h_from, st.h = start, []
+        step = 0
+        while live:
+            plan = StepPlan(seqs, [False] * len(seqs), bs)
+            fb = ForwardBatch.build(worker.slots_of(plan), plan.all_logits, dev, bs)
+            out, logits = self.head(model, torch.stack(h_in), worker.cache, fb)
+            ids = logits.argmax(dim=-1).tolist()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            last = fb.logits_rows
+            seqs, h_in, nxt = [], [], []
+            step += 1
+            for (i, r, start), tok, ok, row in zip(live, ids, finite, last.tolist(), strict=True):
+                if not ok:
+                    drafts[i] = []
+                    self.non_finite += 1
+                    continue
+                drafts[i].append(tok)
+                if len(drafts[i]) < ks[i]:
+                    pos = start + step
+                    seqs.append((r.table.blocks_of(pos + 1), pos, [tok]))
+                    h_in.append(out[row])
+                    nxt.append((i, r, start))
+            live = nxt
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def close(self) -> None:
+        pass
+
+
 def _checked_draft(gguf, target_tokens: Sequence[str]):
     """The draft GGUF's architecture, once its vocabulary is the target's and it is not a hybrid model."""
     from vegaserve.engine.models.arch_config import arch_config_from_gguf
@@ -200,7 +289,8 @@ def _checked_draft(gguf, target_tokens: Sequence[str]):
 
 def check_speculative(config: EngineConfig, arch, gguf) -> None:
     """Every speculative setup that cannot work fails here with one line, before any weights load: draft-mtp
-    (no MTP head, or not run yet), a draft of another vocabulary or a hybrid one."""
+    without an MTP head, on an architecture whose head is not run, or over several devices; a draft of
+    another vocabulary or a hybrid one."""
     from vegaserve.engine.gguf_file import GGUFFile
 
     spec = config.speculative
@@ -211,7 +301,12 @@ def check_speculative(config: EngineConfig, arch, gguf) -> None:
         if not nextn:
             raise ConfigError(f"{gguf.path}: --spec-type draft-mtp needs an MTP (NextN) head, and this model has none "
                               f"({arch.architecture}.nextn_predict_layers is not set)")
-        raise ConfigError(f"{gguf.path}: --spec-type draft-mtp: the model's MTP head is not run yet (not yet)")
+        if arch.hybrid is None:
+            raise ConfigError(f"{gguf.path}: --spec-type draft-mtp is not supported yet for {arch.architecture} (it runs "
+                              f"the MTP block of qwen35, qwen35moe and qwen3next)")
+        if config.parallel.split_mode != "none":
+            raise ConfigError(f"--spec-type draft-mtp with -sm {config.parallel.split_mode}: not supported yet (one "
+                              f"device: the MTP block drafts on the target's)")
     if spec.type == "draft":
         assert spec.draft_model is not None  # SpeculativeConfig requires it for type draft
         _checked_draft(GGUFFile(spec.draft_model, config.model.load_mode),
@@ -387,6 +482,7 @@ class Speculator:
         room = token_budget - batch.num_tokens
         picked: list[int] = []
         ks: list[int] = []
+        slots_first = getattr(self.proposer, "needs_slots", False)  # it writes KV at the guesses' positions
         for i, s in enumerate(batch.seqs):
             r = s.request
             # a guided request decodes plainly: each guess would need the grammar's mask at its position
@@ -396,6 +492,12 @@ class Speculator:
             k = min(self.k, r.max_new_tokens - len(r.output_ids) - 1, room)
             if k < max(1, self.config.draft_min):
                 continue
+            if slots_first:
+                try:
+                    if s.start + 1 + k > r.table.num_slots:
+                        r.table.append_slots(s.start + 1 + k - r.table.num_slots)
+                except NoFreeBlocks:
+                    continue
             picked.append(i)
             ks.append(k)
             room -= k
@@ -416,6 +518,13 @@ class Speculator:
             seqs[i] = ScheduledSeq(r, s.start, s.tokens + d, r.table.blocks_of(n), samples=True, drafts=tuple(d))
         return ScheduledBatch(seqs)
 
+    def observe(self, batch: ScheduledBatch, kept_rows: list[int]) -> None:
+        """After a target step: how many rows of each sequence it computed for good (a proposer that drafts
+        from the target's hidden states keeps them)."""
+        watch = getattr(self.proposer, "observe", None)
+        if watch is not None:
+            watch(batch, kept_rows)
+
     def record(self, drafted: int, accepted: int) -> None:
         st = self.stats
         st.num_drafts += 1
@@ -432,14 +541,16 @@ class Speculator:
 
 
 def make_speculator(config: EngineConfig, gguf, device: torch.device, num_blocks: int,
-                    max_model_len: int, show_progress: bool = False) -> Speculator | None:
+                    max_model_len: int, show_progress: bool = False, executor=None) -> Speculator | None:
     """The configured speculation, or None; check_speculative, run before the model loaded, has refused
-    every setup that cannot work."""
+    every setup that cannot work. executor: the target's (draft-mtp drafts with its model)."""
     spec = config.speculative
     if not spec.enabled:
         return None
     if spec.type == "ngram":
         proposer = NgramProposer(spec.ngram_size)
+    elif spec.type == "draft-mtp":
+        proposer = MtpProposer(executor, config.cache.block_size)
     else:
         proposer = DraftModelProposer(config, list(gguf.metadata.get("tokenizer.ggml.tokens", [])), device,
                                       num_blocks, max_model_len, show_progress)

@@ -1,8 +1,9 @@
 """`vegaserve` command line: `serve` (the default), `perplexity`, `tune`, `bench`.
 
 Flags keep llama-server's spellings so existing launch lines work. Every flag defaults to None, so only
-the flags given end up in the config tree, above the environment and the `--config` YAML file. A value of a
-feature not implemented yet (`--spec-type draft-mtp`) stops the start with one line saying so; `-ngl`, `-fa`,
+the flags given end up in the config tree, above the environment and the `--config` YAML file. A setup
+that cannot run (e.g. `--spec-type draft-mtp` on a model without an MTP block) stops the start with one line
+saying so; `-ngl`, `-fa`,
 `--jinja` and `--seed` are accepted for llama-server's launch lines and change nothing in serving (their help says why).
 """
 
@@ -103,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device the split must fit in, "
                    "checked at start (default: what the device reports)")
     g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"],
-                   help="speculative decoding: ngram (prompt lookup), draft (a draft model, -md); draft-mtp is not "
-                   "implemented yet (default none)")
+                   help="speculative decoding: ngram (prompt lookup), draft (a draft model, -md), draft-mtp (the "
+                   "model's own MTP block: the qwen35 family, one device) (default none)")
     g.add_argument("-md", "--model-draft", "--spec-draft-model", metavar="FILE",
                    help="the draft model's GGUF for --spec-type draft; it must share the model's vocabulary")
     g.add_argument("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", type=int, metavar="N",

@@ -95,7 +95,7 @@ class StageWorker:
         pending = []
         logits: list[torch.Tensor] = []
         for g in groups:
-            fb = ForwardBatch.build(self._with_slots(g), g.all_logits, self.device, g.block_size, self.staging,
+            fb = ForwardBatch.build(self.slots_of(g), g.all_logits, self.device, g.block_size, self.staging,
                                     g.state_slots, g.snapshot)
             if input_ids is not None:
                 fb.input_ids = input_ids
@@ -124,7 +124,7 @@ class StageWorker:
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
-    def _with_slots(self, plan: StepPlan) -> list[tuple[np.ndarray, int, list[int]]]:
+    def slots_of(self, plan: StepPlan) -> list[tuple[np.ndarray, int, list[int]]]:
         """(slots of positions 0 .. start + n - 1, start, tokens): the slots expanded from the block ids on
         this rank (the plan carries one id per block, not one slot per token)."""
         bs = plan.block_size

@@ -119,15 +119,21 @@ class HybridLayer(nn.Module):
 
 
 class NextNHead(nn.Module):
-    """One MTP block, loaded for speculative decoding and not run yet: e = enorm(embed(next token)),
-    x = hnorm(the trunk's final hidden state), h = eh_proj([e; x]), then a full-attention block, then
-    shared_head_norm (or the model's output norm) and the head (its own, or the model's)."""
+    """One MTP block (speculative decoding's draft-mtp), as llama.cpp's qwen35 MTP graph: at position p it
+    reads token p and the trunk's output-normed hidden state of position p - 1 (or, drafting further, its
+    own output of the row before): e = enorm(embed(token)), x = hnorm(h), h = eh_proj([e; x]), then a
+    full-attention block over its own KV cache layer (`cache_layer`, beside the trunk's), then
+    shared_head_norm (or the model's output norm): the hidden state it passes on, and through the head (its
+    own, or the model's) the logits of token p + 1."""
 
-    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, shared_split: bool = True) -> None:
+    def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, shared_split: bool = True,
+                 cache_layer: int = -1) -> None:
         super().__init__()
         self.index, self.cfg = index, cfg
         hidden = cfg.hidden_size
-        self.block = HybridLayer(cfg, index, method, -1, -1, shared_split)
+        if cfg.hybrid.recurrent[index]:
+            raise ValueError(f"MTP block {index} is a linear-attention layer; llama.cpp's MTP graph takes full attention")
+        self.block = HybridLayer(cfg, index, method, cache_layer, -1, shared_split)
         self.eh_proj = QuantLinear(2 * hidden, [hidden], method)
         self.enorm = RMSNorm(hidden, cfg.rms_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_eps)
@@ -152,6 +158,19 @@ class NextNHead(nn.Module):
             self.head = QuantLinear(hidden, [vocab], self.method)
             self.head.load([w.source(p + "shared_head_head.weight", (vocab, hidden))], w.device)
 
+    def forward(self, model: HybridModel, h_in: torch.Tensor, cache: KVCache,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch's tokens, h_in [T, hidden] (the hidden state each row pairs with) -> (its output hidden
+        state [T, hidden], normed, and the logits [len(batch.logits_rows), vocab] f32)."""
+        embed = self.embed if self.embed is not None else model.embed
+        norm = self.head_norm if self.head_norm is not None else model.norm
+        head = self.head if self.head is not None else model.lm_head
+        e = self.enorm(embed(batch.input_ids))
+        x = self.eh_proj(torch.cat([e, self.hnorm(h_in.to(e.dtype))], dim=-1))
+        h, delta = self.block(x, model.rope, cache, batch)
+        out = norm(h + delta)
+        return out, head(out[batch.logits_rows]).float()
+
 
 class HybridModel(LlamaModel):
     def _build_layers(self, shared_split: bool) -> nn.ModuleList:
@@ -163,13 +182,22 @@ class HybridModel(LlamaModel):
             layers.append(HybridLayer(self.cfg, i, self.method, cache_layer, state_layer, shared_split))
             cache_layer += not hy.recurrent[i]
             state_layer += hy.recurrent[i]
-        self.nextn = nn.ModuleList(NextNHead(self.cfg, i, self.method, shared_split)
-                                   for i in self.layer_range if i >= hy.trunk)
+        # each MTP block's KV cache layer follows the trunk's (allocated only while it drafts: use_mtp)
+        self.nextn = nn.ModuleList(NextNHead(self.cfg, i, self.method, shared_split, cache_layer + j)
+                                   for j, i in enumerate(i for i in self.layer_range if i >= hy.trunk))
+        self.mtp = False
         return nn.ModuleList(layers)
+
+    def use_mtp(self) -> None:
+        """draft-mtp: the KV cache gets the MTP blocks' layers, and every step keeps its output-normed hidden
+        states (`hidden`) for them."""
+        if not self.nextn:
+            raise ValueError("this model has no MTP block")
+        self.mtp = self.keep_hidden = True
 
     @property
     def n_cache_layers(self) -> int:
-        return sum(not layer.linear for layer in self.layers)
+        return sum(not layer.linear for layer in self.layers) + (len(self.nextn) if self.mtp else 0)
 
     @property
     def n_state_layers(self) -> int:

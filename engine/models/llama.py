@@ -152,6 +152,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if comm.is_last_stage else None
         self.lm_head = QuantLinear(cfg.hidden_size, [vocab_rows], method) if comm.is_last_stage else None
         self.rope: RotaryEmbedding | None = None
+        self.keep_hidden = False  # lane_logits keeps `hidden` (models/hybrid.py NextNHead)
+        self.hidden: torch.Tensor | None = None
 
     def _build_layers(self, shared_split: bool) -> nn.ModuleList:
         """This rank's decoder layers, in order (models/hybrid.py builds its two kinds)."""
@@ -223,7 +225,10 @@ class LlamaModel(nn.Module):
         return self.gather_logits(self.lane_logits(h, batch))
 
     def lane_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """This lane's slice of the logits rows [len(batch.logits_rows), its vocabulary share], f32."""
+        """This lane's slice of the logits rows [len(batch.logits_rows), its vocabulary share], f32. With
+        keep_hidden (an MTP head drafts from them), `hidden` becomes every row's output-normed state."""
+        if self.keep_hidden:
+            self.hidden = self.norm(h)
         h = h[batch.logits_rows]
         return self.lm_head(*self.norm.forward_q8_1(h, self.lm_head.wants_q8_1(h.shape[0]))).float()
 

@@ -461,3 +461,112 @@ def test_the_roll_back_kernel_path_equals_the_torch_path():
         assert torch.equal(a[:, untouched], b[:, untouched])
     # slot 1's conv rows: its backup's last row, then the first two saved rows
     assert torch.equal(states[0].conv[:, 1], torch.cat([before[0][:, 4, 2:], saved.mixed[:, :2]], dim=1))
+
+
+def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(converted):
+    """qwen35's tiny file ends with an MTP block: greedy output with draft-mtp (2 guesses a step) equals
+    plain decoding's token for token, with guesses made and verified (random weights: few kept), and every
+    state slot and KV block given back."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (9, 40, 3)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(core: EngineCore) -> list[list[int]]:
+        reqs = [GenerateRequest(list(p), params) for p in prompts]
+        for r in reqs:
+            core.add_request(r)
+        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while core.has_work:
+            for out in core.step():
+                got[out.request_id].extend(out.token_ids)
+        return [got[r.request_id] for r in reqs]
+
+    plain = run(converted.core(DATA, "qwen35"))
+    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    assert run(core) == plain
+    st = core.stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > st.spec_num_drafts  # chains of 2 guesses
+    assert core.states.num_free == 4 and core.pool.num_referenced == 0
+
+
+def test_the_mtp_blocks_first_guess_pairs_each_token_with_the_hidden_state_before_it(converted):
+    """The proposer's first guess after a prompt Q, whose greedy token is t, is the MTP block run over
+    P = Q + [t] in one batch (row p: token p, the trunk's output-normed hidden state of p - 1, zeros for
+    p = 0; each row's own position and KV slot) at its last row: the catch-up, the pairing and the
+    positions of the incremental path agree with the whole-sequence computation."""
+    from vegaserve.engine.forward_batch import ForwardBatch
+
+    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    worker, model = core.runner.executor.worker, core.runner.executor.worker.model
+    head = model.nextn[0]
+    seen: list[torch.Tensor] = []
+    forward = type(head).forward
+
+    def spy(self, *args):
+        out, logits = forward(self, *args)
+        seen.append(logits.clone())
+        return out, logits
+
+    type(head).forward = spy
+    try:
+        gen = torch.Generator().manual_seed(11)
+        q = torch.randint(0, 320, (21,), generator=gen).tolist()
+        outs = core.generate_sync(GenerateRequest(list(q), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+        t = outs[0].token_ids[0]
+        first = seen[0][-1]  # the first propose call's last row: its first guess
+        # the whole sequence at once, in fresh blocks
+        p = q + [t]
+        bs = core.pool.block_size
+        blocks = core.pool.allocate(-(-len(p) // bs))
+        plan = StepPlan([(blocks, 0, p)], [True], bs, (0,))
+        core.executor.forward(plan)
+        hidden = model.hidden.clone()
+        h_in = torch.cat([torch.zeros(1, hidden.shape[1]), hidden[:-1]])
+        fb = ForwardBatch.build(worker.slots_of(plan), [True], worker.device, bs)
+        _, whole = forward(head, model, h_in, worker.cache, fb)
+        core.pool.free(blocks)
+    finally:
+        type(head).forward = forward
+    assert converted.rel(first, whole[-1]) < 1e-5
+    assert int(first.argmax()) == int(whole[-1].argmax())
+
+
+def test_the_mtp_block_reads_its_tensors_in_llama_cpps_order(converted):
+    """NextNHead.forward against its tensors read straight from the GGUF, composed as llama.cpp's qwen35 MTP
+    graph: x = eh_proj [enorm(embed(token)); hnorm(h)] (the token's half first), the block, then
+    shared_head_norm, and the logits through the tied embedding (the file has no head of its own)."""
+    from vegaserve.engine.forward_batch import ForwardBatch
+
+    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    worker = core.runner.executor.worker
+    model, head = worker.model, worker.model.nextn[0]
+    w = {t.name: torch.from_numpy(np.array(t.data)).float() for t in gguf.GGUFReader(DATA / "qwen35-f32.gguf").tensors}
+    eps = 1e-6
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 320, (6,), generator=gen).tolist()
+    h = torch.randn(6, 64, generator=gen)
+    bs = core.pool.block_size
+    blocks = core.pool.allocate(1)
+    plan = StepPlan([(blocks, 0, tokens)], [True], bs)
+    out, logits = head(model, h, worker.cache, ForwardBatch.build(worker.slots_of(plan), [True], worker.device, bs))
+    p = "blk.3.nextn."
+    x = torch.cat([rms(w["token_embd.weight"][tokens], w[p + "enorm.weight"]), rms(h, w[p + "hnorm.weight"])], dim=-1)
+    fb = ForwardBatch.build(worker.slots_of(plan), [True], worker.device, bs)
+    hb, delta = head.block(x @ w[p + "eh_proj.weight"].T, model.rope, worker.cache, fb)
+    ref_out = rms(hb + delta, w[p + "shared_head_norm.weight"])
+    core.pool.free(blocks)
+    assert converted.rel(out, ref_out) < 1e-5
+    assert converted.rel(logits, ref_out @ w["token_embd.weight"].T) < 1e-5
+
+
+@pytest.mark.parametrize(("name", "extra", "says"), [
+    ("qwen35moe", {}, "needs an MTP \\(NextN\\) head, and this model has none"),
+    ("qwen35", {"parallel": {"split_mode": "layer", "n_devices": 2}}, "draft-mtp with -sm layer: not supported yet"),
+], ids=["no-mtp-block", "pipeline"])
+def test_draft_mtp_that_cannot_run_is_one_line_at_start(converted, name, extra, says):
+    with pytest.raises(ConfigError, match=says):
+        converted.core(DATA, name, speculative={"type": "draft-mtp"}, **extra)
