@@ -7,7 +7,8 @@ Decode rate = tokens after each stream's first / time from the step where every 
 token to the end. Also pp (one --pp-token prompt, time to its first token) and, per mode, the decode step
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
 
-    python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3]
+    python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3] \
+        [--spec-type draft-mtp]
 
 Prints a table and one JSON line.
 """
@@ -116,6 +117,9 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="auto")
     ap.add_argument("--tuning", default=None, help="kernel tuning file (default: configs/kernels/<target>.json)")
     ap.add_argument("--modes", default="graphs,eager", help="which of graphs, eager to time")
+    ap.add_argument("--spec-type", default="none",
+                    help="speculative decoding while timing (e.g. draft-mtp: on a random model almost no guess is "
+                    "kept, so the decode rate against --spec-type none is the speculation's overhead)")
     ap.add_argument("--host-table", default=None,
                     help="write the profiled graph-mode step's top host ops (self CPU time) and kernels "
                          "(device time) to this file")
@@ -124,7 +128,7 @@ def main() -> None:
     ctx = max(args.pp, args.prompt) + args.gen + 16
     tree = {"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
             "scheduler": {"max_num_seqs": max(streams), "max_num_batched_tokens": max(args.pp, 2048)},
-            "kernels": {"tuning_file": args.tuning}, "device": "cuda"}
+            "kernels": {"tuning_file": args.tuning}, "device": "cuda", "speculative": {"type": args.spec_type}}
     cfg = EngineConfig.from_dict(merge_trees(config_from_env(), tree))  # the switches, e.g. VEGASERVE_PDL=0
     t0 = time.perf_counter()
     core = EngineCore(cfg, show_progress=False)
@@ -132,7 +136,7 @@ def main() -> None:
     graphs = worker.graphs
     print(f"loaded in {time.perf_counter() - t0:.1f} s; KV {worker.cache.k.dtype}; graphs {graphs.buckets if graphs else None}")
     g = torch.Generator().manual_seed(0)
-    result: dict[str, object] = {"model": args.model, "kv_dtype": str(worker.cache.k.dtype)}
+    result: dict[str, object] = {"model": args.model, "kv_dtype": str(worker.cache.k.dtype), "spec_type": args.spec_type}
     print("| test | mode | median tok/s | runs |\n|---|---|---|---|")
     if graphs is not None:  # the two modes must agree before their speeds mean anything
         replayed = greedy_tokens(core, 3, 32, seed=1)
@@ -158,6 +162,10 @@ def main() -> None:
         pps = [args.pp / _timed_request(core, args.pp, 1, g)[0] for _ in range(args.runs + 1)][1:]
         result[f"pp{args.pp}"] = statistics.median(pps)
         _row((f"pp{args.pp}", "-", f"{statistics.median(pps):.0f}", " ".join(f"{r:.0f}" for r in pps)))
+    if core.spec is not None:
+        st = core.stats()
+        result["spec"] = {"drafts": st.spec_num_drafts, "draft_tokens": st.spec_num_draft_tokens,
+                          "accepted": st.spec_num_accepted_tokens}
     print(json.dumps(result))
     core.close()
 

@@ -463,7 +463,8 @@ def test_the_roll_back_kernel_path_equals_the_torch_path():
     assert torch.equal(states[0].conv[:, 1], torch.cat([before[0][:, 4, 2:], saved.mixed[:, :2]], dim=1))
 
 
-def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(converted):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_ON_GPU)])
+def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(converted, device):
     """qwen35's tiny file ends with an MTP block: greedy output with draft-mtp (2 guesses a step) equals
     plain decoding's token for token, with guesses made and verified (random weights: few kept), and every
     state slot and KV block given back."""
@@ -481,8 +482,8 @@ def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(conver
                 got[out.request_id].extend(out.token_ids)
         return [got[r.request_id] for r in reqs]
 
-    plain = run(converted.core(DATA, "qwen35"))
-    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    plain = run(converted.core(DATA, "qwen35", device=device))
+    core = converted.core(DATA, "qwen35", device=device, speculative={"type": "draft-mtp"})
     assert run(core) == plain
     st = core.stats()
     assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > st.spec_num_drafts  # chains of 2 guesses
