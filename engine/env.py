@@ -48,7 +48,9 @@ SWITCHES: dict[str, tuple[str, str, Any]] = {
 # changes nothing. Not refused, because MI50 launch scripts export the fork's recommended environment.
 NOT_YET: dict[str, str] = {
     "GGML_CUDA_CUBLAS_COMPUTE_TYPE": "a choice of compute type for bf16 weights is not implemented yet",
-    "LLAMA_ENABLE_MTP_OPT": "the fork's MTP optimizations are not implemented yet (draft-mtp runs without them)",
+    "LLAMA_ENABLE_MTP_OPT": "not implemented yet as a switch, and nothing to turn on: draft-mtp here has no draft "
+                            "context (the MTP block's KV sits in the target's cache, written during its catch-up, "
+                            "with logits for the last rows only) and always drops a draft with non-finite logits",
     "LLAMA_PLE_SHARD": "per-layer-embedding sharding is not implemented yet",
 }
 
