@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from vegaserve.engine.config import ConfigError, EngineConfig, ParallelConfig
+from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, StepPlan
 from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
 from vegaserve.engine.request import SamplingParams, TokenLogprob
 from vegaserve.engine.sampling import logprob_records, draw_uniforms, adjust_logits, greedy_argmax, probabilities
@@ -139,8 +140,6 @@ class DraftModelProposer:
         log.info("draft model %s (%s, %d layers)", gguf.path.name, arch.architecture, arch.n_layers)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        from vegaserve.engine.forward_batch import StepPlan
-
         drafts: list[list[int]] = [[] for _ in reqs]
         live: list[tuple[int, _DraftState, list[int]]] = []  # (index, state, tokens fed this round)
         for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
@@ -213,6 +212,7 @@ class MtpProposer:
         self.block_size = block_size
         self.states: dict[str, _MtpState] = {}
         self.non_finite = 0
+        self.staging = HostStaging(self.worker.device)  # its own pinned buffers, kept between proposals
 
     def observe(self, batch: ScheduledBatch, kept_rows: list[int]) -> None:
         """After a target step: kept_rows[i] of batch.seqs[i]'s rows are computed for good."""
@@ -227,8 +227,6 @@ class MtpProposer:
             at += len(s.tokens)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        from vegaserve.engine.forward_batch import ForwardBatch, StepPlan
-
         worker, model, bs = self.worker, self.model, self.block_size
         dev = worker.device
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -248,7 +246,7 @@ class MtpProposer:
         step = 0
         while live:
             plan = StepPlan(seqs, [False] * len(seqs), bs)
-            fb = ForwardBatch.build(worker.slots_of(plan), plan.all_logits, dev, bs)
+            fb = ForwardBatch.build(worker.slots_of(plan), plan.all_logits, dev, bs, self.staging)
             out, logits = self.head(model, torch.stack(h_in), worker.cache, fb)
             ids = logits.argmax(dim=-1).tolist()
             finite = torch.isfinite(logits).all(dim=-1).tolist()
