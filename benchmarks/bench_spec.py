@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1 :]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec-type", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--spec-type", default="ngram", choices=["ngram", "draft", "draft-mtp"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
