@@ -285,13 +285,25 @@ def probabilities(logits: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def draw_uniforms(generators: list[torch.Generator | None], device: torch.device) -> Tensor:
-    """One U[0, 1) per row: seeded rows from their own generator, the rest in one call."""
-    values = torch.empty(len(generators), dtype=torch.float32, device=device)
+    """One U[0, 1) per row: seeded rows from their own generator, the rest in one call. The requests'
+    generators live on the host (scheduler.Request): their numbers are drawn there, one per row, and reach
+    the device in one copy (a copy and a write per row were most of a 64-stream sampled step's host time);
+    a generator on another device draws there."""
+    n = len(generators)
     unseeded = [i for i, g in enumerate(generators) if g is None]
+    on_host = [i for i, g in enumerate(generators) if g is not None and g.device.type == "cpu"]
+    drawn = torch.cat([torch.rand(1, generator=generators[i]) for i in on_host]) if on_host else None
+    if len(unseeded) == n:
+        return torch.rand(n, device=device)
+    if len(on_host) == n:
+        return drawn.to(device)
+    values = torch.empty(n, dtype=torch.float32, device=device)
     if unseeded:
         values[_index(unseeded, device)] = torch.rand(len(unseeded), device=device)
+    if on_host:
+        values[_index(on_host, device)] = drawn.to(device)
     for i, g in enumerate(generators):
-        if g is not None:
+        if g is not None and g.device.type != "cpu":
             values[i] = torch.rand(1, generator=g, device=g.device).to(device)[0]
     return values
 

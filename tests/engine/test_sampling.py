@@ -350,3 +350,27 @@ def test_prompt_logprobs_score_each_token_under_the_previous_position():
 def test_mismatched_batch_lists_are_rejected():
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, 5), [SamplingParams()], [[]], [[]], [None])
+
+
+def test_draw_uniforms_takes_one_number_from_each_seeded_generator_in_one_copy():
+    """Each seeded row gets its own generator's next number (what torch.rand(1, generator=g) gives), the
+    generator advanced by exactly one; unseeded rows share the default generator; all-seeded and
+    all-unseeded batches take the shortcuts with the same numbers."""
+    from vegaserve.engine.sampling import draw_uniforms
+
+    seeds = [3, None, 7, None, 11, 3]
+    gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+    want = {i: float(torch.rand(1, generator=torch.Generator().manual_seed(s))[0]) for i, s in enumerate(seeds) if s}
+    got = draw_uniforms(gens, torch.device("cpu"))
+    assert got.shape == (6,) and bool(((got >= 0) & (got < 1)).all())
+    assert all(float(got[i]) == v for i, v in want.items())
+    second = {i: float(torch.rand(2, generator=torch.Generator().manual_seed(s))[1]) for i, s in enumerate(seeds) if s}
+    again = draw_uniforms(gens, torch.device("cpu"))
+    assert all(float(again[i]) == v for i, v in second.items())  # one number each, no more
+    every = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    assert draw_uniforms(every, torch.device("cpu")).tolist() == [
+        float(torch.rand(1, generator=torch.Generator().manual_seed(s))[0]) for s in (5, 6)]
+    torch.manual_seed(0)
+    a = draw_uniforms([None, None], torch.device("cpu"))
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.rand(2))
