@@ -230,7 +230,8 @@ class DecodeGraphs:
         b = next(x for x in self.buckets if x >= S)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        ids, pos, slots, lens = (self._host(k, B * R) for k in ("ids", "pos", "slots", "lens"))
+        ids, pos, slots = (self._host(k, B * R) for k in ("ids", "pos", "slots"))
+        lens = self._host("lens", B)
         tables = self._tables(self.host_np, B)
         if self.spare_state >= 0:
             self._host("states", S)[:] = state_slots
