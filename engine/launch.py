@@ -102,7 +102,7 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     kv_heads = kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp)
     kv = 2 * kv_layers * launch.num_slots * kv_heads * arch.head_dim * itemsize
     # (speculative decoding keeps a backup of each sequence's state for its verify steps)
-    state = 0 if hy is None else hy.state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
+    state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
         1 + launch.config.speculative.enabled)
     return n // launch.topo.tp + kv + state
 
@@ -130,6 +130,8 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
     sliced = {"attn_output": "attn_output", "ffn_down": "ffn_down_exps" if arch.moe is not None else "ffn_down"}
     if arch.moe is not None and arch.moe.shared_ff:
         sliced["ffn_down_shexp"] = "ffn_down_shexp"
+    if arch.hybrid is not None:
+        sliced["ssm_out"] = "ssm_out"
     # (a hybrid model's linear-attention layers have no attn_output)
     block = {k: max((spec_for(gguf.info(t).type_id).block_size
                      for t in (f"blk.{i}.{name}.weight" for i in range(arch.n_layers)) if t in gguf), default=1)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from vegaserve.engine.gguf_file import ModelLoadError
 from vegaserve.engine.layers.linear import WeightSource
 from vegaserve.triton_kernels.dequant import spec_for
@@ -99,3 +101,36 @@ def vocab_slice(vocab: int, tp: int, lane: int) -> tuple[int, int, int]:
     per = -(-vocab // tp)
     start = min(lane * per, vocab)
     return start, min(per, vocab - start), per
+
+
+def gather_rows(src: WeightSource, ranges: list[tuple[int, int]]) -> WeightSource:
+    """The output rows of several (start, count) ranges of a [rows, cols] matrix, in order, as one matrix."""
+    parts = [slice_rows(src, a, n) for a, n in ranges]
+    if len(parts) == 1:
+        return parts[0]
+    rows = sum(n for _, n in ranges)
+    raw = torch.cat([q.raw.reshape(n, -1) for q, (_, n) in zip(parts, ranges, strict=True)])
+    return _with_shape(src, raw, (rows, *src.info.shape[1:]))
+
+
+def gather_cols(src: WeightSource, ranges: list[tuple[int, int]]) -> WeightSource:
+    """The input columns of several (start, count) ranges of a [rows, cols] matrix, in order, as one matrix
+    (each range in whole quantization blocks)."""
+    parts = [slice_cols(src, a, n) for a, n in ranges]
+    if len(parts) == 1:
+        return parts[0]
+    rows = src.info.shape[0]
+    raw = torch.cat([q.raw.reshape(rows, -1) for q in parts], dim=1).contiguous()
+    return _with_shape(src, raw, (rows, sum(n for _, n in ranges)))
+
+
+def head_ranges(heads: list[int], width: int, base: int = 0) -> list[tuple[int, int]]:
+    """(start, count) row or column ranges of `heads` of `width` each after `base`, adjacent heads merged."""
+    out: list[tuple[int, int]] = []
+    for h in heads:
+        start = base + h * width
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + width)
+        else:
+            out.append((start, width))
+    return out

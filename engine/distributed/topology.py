@@ -81,7 +81,8 @@ def plan_topology(split_mode: str, tps: int, n_devices: int) -> Topology:
 def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, int], path: str,
                        shared_split: bool = True) -> None:
     """Refuse a split that the model's shapes cannot take. block_sizes: the largest GGUF block size
-    (elements) of each matrix whose input dimension a lane slices (attn_output, ffn_down, ffn_down_shexp).
+    (elements) of each matrix whose input dimension a lane slices (attn_output, ffn_down, ffn_down_shexp,
+    a hybrid model's ssm_out).
     The feed-forward's blocks are dealt over the lanes (sharding.block_split: a lane may hold a block more
     than its neighbour), so only fewer blocks than lanes is refused; attn_output follows the heads, whose
     even share must be whole blocks."""
@@ -90,9 +91,17 @@ def check_model_splits(arch: ArchConfig, topo: Topology, block_sizes: dict[str, 
         raise ConfigError(f"{path}: {topo.pp} pipeline stages but the model has only {arch.n_layers} layers")
     if tp == 1:
         return
-    if arch.hybrid is not None:  # a lane would need its share of the DeltaNet heads and convolution channels
-        raise ConfigError(f"{path}: tensor parallelism (-sm tensor) for the hybrid linear-attention architecture "
-                          f"{arch.architecture} is not supported yet; -sm layer is")
+    hy = arch.hybrid
+    if hy is not None:  # each lane takes a share of the DeltaNet's key heads and the value heads reading them
+        if hy.k_heads % tp or hy.v_heads % tp:
+            raise ConfigError(f"{path}: the linear-attention layers' {hy.k_heads} key and {hy.v_heads} value heads "
+                              f"do not divide over {tp} tensor-parallel devices")
+        # ssm_out's columns a lane takes come in runs of whole heads (tiled heads: one run per key-head repeat)
+        run = (hy.k_heads if hy.tiled else hy.v_heads) // tp * hy.head_dim
+        qk = block_sizes.get("ssm_out", 1)
+        if run % qk:
+            raise ConfigError(f"{path}: ssm_out would be split into runs of {run} columns, which cuts its {qk}-element "
+                              f"quantization blocks; use a tensor-parallel size whose share of the heads is whole blocks")
     if arch.n_heads % tp:
         raise ConfigError(f"{path}: {arch.n_heads} attention heads do not divide over {tp} tensor-parallel devices")
     if arch.n_kv_heads % tp and tp % arch.n_kv_heads:

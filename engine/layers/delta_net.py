@@ -128,8 +128,16 @@ class SavedRows:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, cfg: HybridConfig, eps: float, method: QuantMethod, state_layer: int) -> None:
+    """Under tensor parallelism (tp lanes) a lane holds its share of the key heads and the value heads that
+    read them (HybridConfig.lane_heads): their rows of the input projections and the convolution, their
+    decay and dt entries, their columns of ssm_out; its output is a partial sum the layer's AllReduce adds."""
+
+    def __init__(self, hidden: int, cfg: HybridConfig, eps: float, method: QuantMethod, state_layer: int,
+                 tp: int = 1, lane: int = 0) -> None:
         super().__init__()
+        self.full = cfg  # the whole model's heads (the GGUF's shapes)
+        self.keys, self.values = cfg.lane_heads(tp, lane)
+        cfg = cfg.lane(tp)
         self.cfg, self.eps, self.hidden, self.method = cfg, eps, hidden, method
         self.state_layer = state_layer  # its place in this rank's RecurrentState
         hv = cfg.v_heads
@@ -144,20 +152,31 @@ class GatedDeltaNet(nn.Module):
 
     def load(self, w, prefix: str) -> None:
         """`w` a models.weights.WeightLoader; prefix "blk.N."."""
-        cfg, hidden, hv = self.cfg, self.hidden, self.cfg.v_heads
-        mats = [w.source(prefix + "attn_qkv.weight", (cfg.conv_dim, hidden)),
-                w.source(prefix + "attn_gate.weight", (cfg.value_dim, hidden))]
-        if (prefix + "ssm_ba.weight") in w:
+        from vegaserve.engine.distributed.sharding import gather_cols, gather_rows, head_ranges
+
+        full, cfg, hidden, hv = self.full, self.cfg, self.hidden, self.cfg.v_heads
+        D, keys, values = full.head_dim, self.keys, self.values
+        # the lane's channels of q | k | v (the projection's rows and the convolution's channels alike)
+        channels = (head_ranges(keys, D) + head_ranges(keys, D, full.key_dim)
+                    + head_ranges(values, D, 2 * full.key_dim))
+        mats = [gather_rows(w.source(prefix + "attn_qkv.weight", (full.conv_dim, hidden)), channels),
+                gather_rows(w.source(prefix + "attn_gate.weight", (full.value_dim, hidden)), head_ranges(values, D))]
+        if (prefix + "ssm_ba.weight") in w:  # [beta, alpha] for each key head's value heads, key head by key head
             self.interleaved_ba = True
             self.in_proj = QuantLinear(hidden, [cfg.conv_dim, cfg.value_dim, 2 * hv], self.method)
-            mats.append(w.source(prefix + "ssm_ba.weight", (2 * hv, hidden)))
+            r = full.v_heads // full.k_heads
+            mats.append(gather_rows(w.source(prefix + "ssm_ba.weight", (2 * full.v_heads, hidden)), head_ranges(keys, 2 * r)))
         else:
-            mats += [w.source(prefix + f"ssm_{n}.weight", (hv, hidden)) for n in ("beta", "alpha")]
+            mats += [gather_rows(w.source(prefix + f"ssm_{n}.weight", (full.v_heads, hidden)), head_ranges(values, 1))
+                     for n in ("beta", "alpha")]
         self.in_proj.load(mats, w.device)
-        self.out_proj.load([w.source(prefix + "ssm_out.weight", (hidden, cfg.value_dim))], w.device)
-        self.conv_w = w.vector(prefix + "ssm_conv1d.weight", (cfg.conv_dim, cfg.conv_kernel)).contiguous()
-        self.ssm_a = w.vector(prefix + "ssm_a", (hv,))
-        self.dt_bias = w.vector(prefix + "ssm_dt.bias", (hv,))
+        self.out_proj.load([gather_cols(w.source(prefix + "ssm_out.weight", (hidden, full.value_dim)),
+                                        head_ranges(values, D))], w.device)
+        rows = torch.cat([torch.arange(a, a + n) for a, n in channels])
+        self.conv_w = w.vector(prefix + "ssm_conv1d.weight", (full.conv_dim, cfg.conv_kernel))[rows.to(w.device)].contiguous()
+        picked = torch.tensor(values, device=w.device)
+        self.ssm_a = w.vector(prefix + "ssm_a", (full.v_heads,))[picked]
+        self.dt_bias = w.vector(prefix + "ssm_dt.bias", (full.v_heads,))[picked]
         self.norm_w = w.vector(prefix + "ssm_norm.weight", (cfg.head_dim,))
 
     def wants_q8_1(self, m: int) -> bool:

@@ -25,6 +25,9 @@ import math
 import torch
 from torch import nn
 
+from vegaserve.engine.distributed.communicator import Communicator, LocalCommunicator
+from vegaserve.engine.distributed.sharding import slice_cols, slice_rows
+from vegaserve.engine.distributed.topology import kv_heads_per_lane, lane_kv_head
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.attention import KVCache, cached_attention, kv_store
 from vegaserve.engine.layers.delta_net import GatedDeltaNet, RecurrentState
@@ -40,13 +43,18 @@ from vegaserve.engine.models.weights import WeightLoader
 
 
 class GatedAttention(nn.Module):
-    """Full attention whose output is gated per element by sigmoid of a second half of each q head's rows."""
+    """Full attention whose output is gated per element by sigmoid of a second half of each q head's rows.
+    A tensor-parallel lane holds its share of the query heads and the KV heads they read (models/llama.py's
+    split); its o_proj output is a partial sum."""
 
-    def __init__(self, cfg: ArchConfig, method: QuantMethod, cache_layer: int) -> None:
+    def __init__(self, cfg: ArchConfig, method: QuantMethod, cache_layer: int, tp: int = 1, lane: int = 0) -> None:
         super().__init__()
         self.cache_layer = cache_layer
-        self.n_heads, self.n_kv, self.head_dim, self.hidden = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
-        q, kv = cfg.q_size, cfg.kv_size
+        self.n_heads, self.n_kv = cfg.n_heads // tp, kv_heads_per_lane(cfg.n_kv_heads, tp)
+        self.head_dim, self.hidden = cfg.head_dim, cfg.hidden_size
+        self.q0, self.kv0 = lane * self.n_heads, lane_kv_head(cfg.n_heads, cfg.n_kv_heads, tp, lane)
+        self.full = [2 * cfg.q_size, cfg.kv_size, cfg.kv_size]  # the GGUF's rows
+        q, kv = self.n_heads * cfg.head_dim, self.n_kv * cfg.head_dim
         self.split = [2 * q, kv, kv]  # q rows: per head, D of query then D of gate
         self.qkv = QuantLinear(cfg.hidden_size, self.split, method)
         self.o_proj = QuantLinear(q, [cfg.hidden_size], method)
@@ -55,9 +63,12 @@ class GatedAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def load(self, w: WeightLoader, p: str) -> None:
-        self.qkv.load([w.source(p + f"attn_{n}.weight", (rows, self.hidden)) for n, rows in zip("qkv", self.split,
-                                                                                                 strict=True)], w.device)
-        self.o_proj.load([w.source(p + "attn_output.weight", (self.hidden, self.split[0] // 2))], w.device)
+        D = self.head_dim
+        first = (2 * self.q0 * D, self.kv0 * D, self.kv0 * D)
+        self.qkv.load([slice_rows(w.source(p + f"attn_{n}.weight", (rows, self.hidden)), a, k)
+                       for n, rows, a, k in zip("qkv", self.full, first, self.split, strict=True)], w.device)
+        self.o_proj.load([slice_cols(w.source(p + "attn_output.weight", (self.hidden, self.full[0] // 2)),
+                                     self.q0 * D, self.split[0] // 2)], w.device)
         self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (self.head_dim,))
         self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (self.head_dim,))
 
@@ -82,17 +93,19 @@ class GatedAttention(nn.Module):
 
 class HybridLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, cache_layer: int, state_layer: int,
-                 shared_split: bool = True) -> None:
+                 shared_split: bool = True, comm: Communicator | None = None) -> None:
         super().__init__()
         self.index = index
+        self.comm = comm = comm or LocalCommunicator()
+        tp, lane = comm.tp, comm.lane
         self.linear = cfg.hybrid.recurrent[index]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mixer: GatedDeltaNet | GatedAttention = (
-            GatedDeltaNet(cfg.hidden_size, cfg.hybrid, cfg.rms_eps, method, state_layer) if self.linear
-            else GatedAttention(cfg, method, cache_layer))
+            GatedDeltaNet(cfg.hidden_size, cfg.hybrid, cfg.rms_eps, method, state_layer, tp, lane) if self.linear
+            else GatedAttention(cfg, method, cache_layer, tp, lane))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.ffn: DenseMLP | MoE = (MoE(cfg.hidden_size, cfg.moe, method, shared_split=shared_split) if cfg.moe is not None
-                                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, method))
+        self.ffn: DenseMLP | MoE = (MoE(cfg.hidden_size, cfg.moe, method, tp, lane, shared_split) if cfg.moe is not None
+                                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, method, tp, lane))
 
     def load(self, w: WeightLoader) -> None:
         p = f"blk.{self.index}."
@@ -114,8 +127,8 @@ class HybridLayer(nn.Module):
             out = self.mixer(x, xq, cache.state, batch)
         else:
             out = self.mixer(x, xq, rope, cache, batch)
-        h, x, xq = self.ffn_norm.add_forward(h, out, self.ffn.wants_q8_1(T))
-        return h, self.ffn(x, xq)
+        h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(out), self.ffn.wants_q8_1(T))
+        return h, self.comm.all_reduce(self.ffn(x, xq))
 
 
 class NextNHead(nn.Module):
@@ -127,13 +140,13 @@ class NextNHead(nn.Module):
     own, or the model's) the logits of token p + 1."""
 
     def __init__(self, cfg: ArchConfig, index: int, method: QuantMethod, shared_split: bool = True,
-                 cache_layer: int = -1) -> None:
+                 cache_layer: int = -1, comm: Communicator | None = None) -> None:
         super().__init__()
         self.index, self.cfg = index, cfg
         hidden = cfg.hidden_size
         if cfg.hybrid.recurrent[index]:
             raise ValueError(f"MTP block {index} is a linear-attention layer; llama.cpp's MTP graph takes full attention")
-        self.block = HybridLayer(cfg, index, method, cache_layer, -1, shared_split)
+        self.block = HybridLayer(cfg, index, method, cache_layer, -1, shared_split, comm)
         self.eh_proj = QuantLinear(2 * hidden, [hidden], method)
         self.enorm = RMSNorm(hidden, cfg.rms_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_eps)
@@ -179,11 +192,11 @@ class HybridModel(LlamaModel):
         for i in self.layer_range:
             if i >= hy.trunk:
                 continue
-            layers.append(HybridLayer(self.cfg, i, self.method, cache_layer, state_layer, shared_split))
+            layers.append(HybridLayer(self.cfg, i, self.method, cache_layer, state_layer, shared_split, self.comm))
             cache_layer += not hy.recurrent[i]
             state_layer += hy.recurrent[i]
         # each MTP block's KV cache layer follows the trunk's (allocated only while it drafts: use_mtp)
-        self.nextn = nn.ModuleList(NextNHead(self.cfg, i, self.method, shared_split, cache_layer + j)
+        self.nextn = nn.ModuleList(NextNHead(self.cfg, i, self.method, shared_split, cache_layer + j, self.comm)
                                    for j, i in enumerate(i for i in self.layer_range if i >= hy.trunk))
         self.mtp = False
         return nn.ModuleList(layers)
@@ -204,7 +217,7 @@ class HybridModel(LlamaModel):
         return sum(layer.linear for layer in self.layers)
 
     def recurrent_state(self, slots: int, device: torch.device, spare: int = 0, backups: bool = False) -> RecurrentState:
-        return RecurrentState(self.n_state_layers, slots, self.cfg.hybrid, device, spare, backups)
+        return RecurrentState(self.n_state_layers, slots, self.cfg.hybrid.lane(self.comm.tp), device, spare, backups)
 
     def load(self, w: WeightLoader) -> None:
         super().load(w)

@@ -12,7 +12,7 @@ A file whose layer pattern, state sizes or tensors disagree is refused here, nam
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vegaserve.engine.gguf_file import ModelLoadError
@@ -40,6 +40,24 @@ class HybridConfig:
     @property
     def key_dim(self) -> int:
         return self.k_heads * self.head_dim
+
+    def lane(self, tp: int) -> HybridConfig:
+        """A tensor-parallel lane's share: k_heads / tp key heads and v_heads / tp value heads."""
+        return replace(self, k_heads=self.k_heads // tp, v_heads=self.v_heads // tp)
+
+    def lane_heads(self, tp: int, lane: int) -> tuple[list[int], list[int]]:
+        """(key heads, value heads) of a lane, global indices in the lane's own order: a contiguous share of
+        the key heads, and the value heads that read them, so that the lane's value head i reads its key head
+        i % k (tiled) or i // (v / k) (grouped) as the whole model does. Tiled, that is every key head's
+        repeat: v / k runs of k / tp heads."""
+        kk = self.k_heads // tp
+        keys = list(range(lane * kk, (lane + 1) * kk))
+        if self.tiled:
+            values = [j * self.k_heads + h for j in range(self.v_heads // self.k_heads) for h in keys]
+        else:
+            vv = self.v_heads // tp
+            values = list(range(lane * vv, (lane + 1) * vv))
+        return keys, values
 
     @property
     def value_dim(self) -> int:

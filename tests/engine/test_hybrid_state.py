@@ -2,8 +2,9 @@
 blocks; admission needs one, preemption, abort and finish give it back; a prompt's chunks carry the state
 from step to step; sequences batched together (prompt chunks beside decodes) each see only their own state;
 the slot reaches every rank of a pipeline; a decode graph's static batch stages it; speculative decoding rolls
-it back to the guesses kept. Also what is refused: tensor parallelism with a hybrid model, and files whose layer
-pattern or state sizes disagree (named by layer). Models: the converted tiny ones of tests/data/hybrid."""
+it back to the guesses kept; tensor-parallel lanes each hold their share of the heads and of the state. Also
+what is refused: splits the heads cannot take, and files whose layer pattern or state sizes disagree (named
+by layer). Models: the converted tiny ones of tests/data/hybrid."""
 
 from __future__ import annotations
 
@@ -327,9 +328,40 @@ def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept
     assert core.states.num_free == 4 and core.pool.num_referenced == 0
 
 
-def test_tensor_parallelism_is_refused_at_start_for_a_hybrid_model(converted):
-    with pytest.raises(ConfigError, match="tensor parallelism .* qwen35moe is not supported yet"):
-        converted.core(DATA, "qwen35moe", parallel={"split_mode": "tensor", "n_devices": 2})
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe", "qwen3next"])
+def test_tensor_parallel_lanes_give_one_processs_logits_tokens_and_speculation(converted, name):
+    """-sm tensor over two CPU processes (gloo): each lane holds one of the two key heads and the value heads
+    reading it (qwen35/qwen35moe tiled: value heads 0 and 2 on lane 0, 1 and 3 on lane 1; qwen3next grouped,
+    its [beta, alpha] rows interleaved per key head), its attention head, its share of the feed-forward or
+    experts, and its share of each sequence's state. A prompt's logits are one process's within 1e-5, and
+    greedy decoding (plain, then with guesses rolled back on every lane) gives its tokens."""
+    prompt = [5, 17, 200, 33, 9, 41, 120, 7, 64, 250, 3, 88, 12]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(core: EngineCore, oracle: dict | None = None) -> tuple[torch.Tensor, list[int]]:
+        try:
+            if oracle is not None:
+                core.spec.proposer = _Oracle(oracle, core.arch.vocab_size)
+            logits = core.forward_logits(prompt)
+            outs = core.generate_sync(GenerateRequest(list(prompt), params))
+            return logits, [t for o in outs for t in o.token_ids]
+        finally:
+            core.close()
+
+    tp = {"split_mode": "tensor", "n_devices": 2}
+    one_logits, one_tokens = run(converted.core(DATA, name))
+    two_logits, two_tokens = run(converted.core(DATA, name, parallel=tp))
+    assert converted.rel(two_logits, one_logits) < 1e-5
+    assert two_tokens == one_tokens and len(one_tokens) == 12
+    _, guessed = run(converted.core(DATA, name, parallel=tp, speculative={"type": "ngram", "draft_max": 4}),
+                     oracle={tuple(prompt): one_tokens})
+    assert guessed == one_tokens
+
+
+def test_a_tensor_split_the_linear_attention_heads_cannot_take_is_one_line(converted):
+    """qwen35's tiny model has two key heads: four lanes cannot each take a share."""
+    with pytest.raises(ConfigError, match="2 key and 4 value heads do not divide over 4 tensor-parallel devices"):
+        converted.core(DATA, "qwen35", parallel={"split_mode": "tensor", "n_devices": 4})
 
 
 def test_a_hybrid_draft_model_is_refused():
