@@ -14,8 +14,9 @@ interleaved M-RoPE sections are not read: a text token has the same position in 
 the plain rotation.
 
 The NextN (MTP) blocks the file may end with are loaded and kept on the model (`nextn`) for speculative
-decoding; the trunk does not run them. Tensor parallelism is not supported yet (refused at planning,
-distributed/topology.py): a lane would need its share of the heads and of the convolution's channels.
+decoding; the trunk does not run them. Under tensor parallelism each lane holds its share of the attention
+heads, of the linear-attention key heads and the value heads that read them (HybridConfig.lane_heads), and
+of the feed-forward; the mixer's and the feed-forward's partial sums meet in the layer's AllReduces.
 """
 
 from __future__ import annotations
