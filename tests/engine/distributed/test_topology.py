@@ -97,3 +97,43 @@ def test_the_moe_hook_splits_experts_evenly() -> None:
     assert check_experts_split(64, Topology(4, 1), "m.gguf") == range(16)
     with pytest.raises(ConfigError, match="6 experts do not divide over 4"):
         check_experts_split(6, Topology(4, 1), "m.gguf")
+
+
+def test_hybrid_splits_follow_the_linear_attention_heads() -> None:
+    """Qwen3.6-27B's linear-attention shape (16 key heads, 48 value heads of 128, tiled): ssm_out's columns go
+    to a lane in runs of 16 / tp key heads' width, whole Q4_K blocks up to TP 8; a TP whose run would cut a
+    block, or whose share of the heads is not whole, is refused naming the numbers."""
+    from vegaserve.engine.models.hybrid_config import HybridConfig
+
+    hy = HybridConfig(recurrent=(True, True, True, False), conv_kernel=4, k_heads=16, v_heads=48, head_dim=128,
+                      tiled=True)
+    arch = dataclasses.replace(ARCH, architecture="qwen35", n_heads=8, n_kv_heads=4, head_dim=256, hybrid=hy,
+                               intermediate_size=17408)
+    for tp in (2, 4, 8):
+        check_model_splits(arch, Topology(tp, 1), {"attn_output": 256, "ffn_down": 256, "ssm_out": 256}, "m.gguf")
+    with pytest.raises(ConfigError, match="ssm_out would be split into runs of 256 columns, which cuts its 512"):
+        check_model_splits(arch, Topology(8, 1), {"ssm_out": 512}, "m.gguf")
+    with pytest.raises(ConfigError, match="16 key and 48 value heads do not divide over 32"):
+        check_model_splits(dataclasses.replace(arch, n_heads=32, n_kv_heads=32), Topology(32, 1), {}, "m.gguf")
+    grouped = dataclasses.replace(arch, hybrid=dataclasses.replace(hy, tiled=False))  # one run of 48 / tp heads
+    check_model_splits(grouped, Topology(8, 1), {"ssm_out": 768}, "m.gguf")
+
+
+def test_a_lanes_value_heads_read_its_own_key_heads() -> None:
+    """HybridConfig.lane_heads: over the lanes every head is taken once, and the lane's value head i reads
+    its own key head i % k (tiled) or i // (v / k) (grouped), as value head h reads h % K or h // (V / K)."""
+    from vegaserve.engine.models.hybrid_config import HybridConfig
+
+    for tiled in (True, False):
+        hy = HybridConfig(recurrent=(True,), conv_kernel=4, k_heads=4, v_heads=12, head_dim=8, tiled=tiled)
+        taken_k, taken_v = [], []
+        for lane in range(2):
+            keys, values = hy.lane_heads(2, lane)
+            local = hy.lane(2)
+            taken_k += keys
+            taken_v += values
+            for i, h in enumerate(values):
+                reads = h % hy.k_heads if tiled else h // (hy.v_heads // hy.k_heads)
+                mine = i % local.k_heads if tiled else i // (local.v_heads // local.k_heads)
+                assert keys[mine] == reads
+        assert sorted(taken_k) == list(range(4)) and sorted(taken_v) == list(range(12))
