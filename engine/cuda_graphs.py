@@ -34,8 +34,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vegaserve.engine.forward_batch import AttentionInputs, ForwardBatch, RecurrentInputs
+from vegaserve.engine.forward_batch import AttentionInputs, ForwardBatch, RecurrentInputs, Snapshot
 from vegaserve.engine.layers.attention import KVCache
+from vegaserve.engine.layers.delta_net import SavedRows
 from vegaserve.engine.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,6 @@ class DecodeGraphs:
         if cache.k.shape[1] < cache.num_slots + block_size:
             raise ValueError("decode graphs need a spare KV block past the pool's slots")
         state = cache.state
-        if state is not None and rows > 1:
-            raise ValueError("verify graphs are for models without recurrent state")
         if state is not None and state.conv.shape[1] <= state.spare_slot:
             raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
         self.model, self.cache, self.device = model, cache, device
@@ -112,9 +111,12 @@ class DecodeGraphs:
         self.logit_rows = torch.zeros(N, dtype=torch.int64, device=device)
         self.query_start = torch.arange(0, N + 1, R, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.all_rows = torch.arange(N, dtype=torch.int64, device=device)
+        # a hybrid model's verify step: every row's inputs to the state, kept for the roll back (SavedRows)
+        self.saved_rows: SavedRows | None = None
         self.has_state = torch.zeros(B, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if on_gpu else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, dict]] = {}
         # a padded sequence's rows: positions 0 .. R - 1, writing to the spare block's slots (in turn)
         self._pad_pos = np.tile(np.arange(R, dtype=np.int32), B)
         self._pad_slots = self.spare_block * block_size + self._pad_pos % block_size
@@ -142,7 +144,9 @@ class DecodeGraphs:
         if self.spare_state >= 0:
             fb.__dict__["recurrent"] = RecurrentInputs(  # the cached_property, set to the static tensors
                 slots=self._staged("states", b), has_state=self.has_state[:b], query_start=self.query_start[: b + 1],
-                max_query_len=1)
+                max_query_len=R)
+            if R > 1:  # every row's inputs to the state kept (static outputs of the graph)
+                fb.snapshot = Snapshot([], self.all_rows[:n])
         fb.__dict__["attention"] = AttentionInputs(  # the cached_property, set to the static tensors
             block_tables=self._tables(self.staged, b), seq_lens=self._staged("lens", b),
             query_start=self.query_start[: b + 1], new_slots=self.new_slots[:n], page_size=self.block_size,
@@ -158,8 +162,8 @@ class DecodeGraphs:
         self.new_slots[:n].copy_(self._staged("slots", n))
         if self.rows_per_seq > 1:
             self.logit_rows[:n].copy_(self._staged("logit_rows", n))
-        if self.spare_state >= 0:  # a row with one key is a sequence's first token: no state before it
-            self.has_state[:b].copy_(self._staged("lens", b) > 1)
+        if self.spare_state >= 0:  # keys start + R: a sequence at its first token has no state before it
+            self.has_state[:b].copy_(self._staged("lens", b) > self.rows_per_seq)
 
     def _pad(self, start: int, stop: int) -> None:
         """Host sequences start .. stop - 1: token 0 at positions 0 .. R - 1, R keys, the spare block."""
@@ -197,7 +201,7 @@ class DecodeGraphs:
                     self._widen(b)
                     logits = self.model.forward_lane(fb, self.cache)
                 # (draft-mtp: the output-normed hidden states, a static buffer of the graph's too)
-                self.graphs[b] = (graph, logits, self.model.hidden if self.model.keep_hidden else None)
+                self.graphs[b] = (graph, logits, self.model.hidden if self.model.keep_hidden else None, fb.saved)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured %s graphs for batch sizes %s in %.1f s", what, ",".join(map(str, self.buckets)),
@@ -271,9 +275,23 @@ class DecodeGraphs:
             self.staged[:S].copy_(input_ids)
         if self.copied is None:  # not captured (a CPU, in tests): the same static batch, run eagerly
             self._widen(b)
-            return self.model.forward(self._batch(b), self.cache)[:wanted]
+            fb = self._batch(b)
+            out = self.model.forward(fb, self.cache)[:wanted]
+            self._keep_saved(fb.saved, state_slots)
+            return out
         self.copied.record()
-        graph, logits, hidden = self.graphs[b]
+        graph, logits, hidden, saved = self.graphs[b]
         graph.replay()
         self.model.hidden = hidden
+        self._keep_saved(saved, state_slots)
         return self.model.gather_logits(logits[:wanted])
+
+    def _keep_saved(self, saved: dict, state_slots: tuple[int, ...]) -> None:
+        """A hybrid model's verify step: every sequence's R rows' inputs to its state (its state went through
+        all R rows, padding included: the worker rolls each back to the rows it keeps)."""
+        if not saved:
+            return
+        R = self.rows_per_seq
+        layers = [saved[i] for i in sorted(saved)]
+        self.saved_rows = SavedRows([(slot, i * R, R) for i, slot in enumerate(state_slots)],
+                                    *(torch.stack(parts) for parts in zip(*layers, strict=True)))

@@ -96,8 +96,7 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         worker.graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device)
         worker.graphs.capture(show_progress)
         rows = cfg.speculative.max_draft + 1
-        # (speculation on hybrid models: not yet)
-        if cfg.speculative.enabled and worker.cache.state is None and graph_buckets(model, seqs, rows, VERIFY_ROWS):
+        if cfg.speculative.enabled and graph_buckets(model, seqs, rows, VERIFY_ROWS):
             worker.verify_graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device, rows=rows,
                                                 max_rows=VERIFY_ROWS)
             worker.verify_graphs.capture(show_progress, pool=worker.graphs.pool)

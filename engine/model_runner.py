@@ -194,8 +194,9 @@ class StepInFlight:
             results[i].token_ids = v.token_ids
             results[i].logprobs = v.logprobs
             s = self.batch.seqs[i]
-            # rows kept: the last token and the guesses accepted (the target's own token comes next step)
-            if s.request.state_slot is not None and len(v.token_ids) < len(s.tokens):
+            # rows kept: the last token and the guesses accepted (the target's own token comes next step); each
+            # rank rolls back what its step computed past them (a replayed step's padding too)
+            if s.request.state_slot is not None:
                 self.runner.rollback.append((s.request.state_slot, len(v.token_ids)))
         return StepOutput(results)
 

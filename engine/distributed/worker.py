@@ -69,6 +69,7 @@ class StageWorker:
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
         self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
         self.saved: SavedRows | None = None  # hybrid models: the last verify step's rows, for a roll back
+        self.pending: list[tuple[int, int]] = []  # roll backs this rank owes the next step (a replayed verify step)
         self.staging = HostStaging(device)
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
@@ -79,16 +80,30 @@ class StageWorker:
         """Logits [rows, vocab] f32 on rank 0 (rows as ForwardBatch.logits_rows orders them); None elsewhere.
         input_ids: the new tokens on the device, replacing the plan's (one process, one token a sequence)."""
         state = self.cache.state
-        if plan.rollback:  # the last verify step's rejected rows out of the recurrent state
-            state.roll_back(self.saved, list(plan.rollback))
-        if plan.snapshot:
-            state.back_up([plan.state_slots[i] for i in plan.snapshot])
+        # the last verify step's rows past those kept out of the recurrent state: the rejected guesses (the
+        # plan says), a replayed step's padding (this rank knows)
+        back = [(slot, m) for slot, m in (*plan.rollback, *self.pending) if m < self.saved.rows_of(slot)]
+        self.pending = []
+        if back:
+            state.roll_back(self.saved, back)
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
             out = self.graphs.run(plan.seqs, input_ids, plan.state_slots)
             return out if self.comm.rank == 0 else None
-        if self.verify_graphs is not None and input_ids is None and self.verify_graphs.fits(plan.seqs, plan.all_logits):
-            out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits)
+        # (a hybrid model's: only a step with guesses, whose states are backed up and rolled back, since every
+        # sequence's state goes through all R rows, padding included)
+        if (self.verify_graphs is not None and input_ids is None and (state is None or plan.snapshot)
+                and self.verify_graphs.fits(plan.seqs, plan.all_logits)):
+            if state is not None:  # every sequence goes through R rows: all backed up
+                state.back_up(list(plan.state_slots))
+            out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits, state_slots=plan.state_slots)
+            if state is not None:
+                self.saved = self.verify_graphs.saved_rows
+                drafted = set(plan.snapshot)  # (the others' rows are all kept: back to them before the next step)
+                self.pending = [(slot, len(t)) for i, (slot, (_, _, t)) in enumerate(zip(plan.state_slots, plan.seqs,
+                                                                                           strict=True)) if i not in drafted]
             return out if self.comm.rank == 0 else None
+        if plan.snapshot:
+            state.back_up([plan.state_slots[i] for i in plan.snapshot])
         comm, model = self.comm, self.model
         # (a step with a snapshot keeps its rows' inputs in one piece: one micro-batch)
         groups = micro_batches(plan, self.n_copies) if comm.topo.pp > 1 and not plan.snapshot else [plan]

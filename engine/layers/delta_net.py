@@ -126,6 +126,10 @@ class SavedRows:
     g: torch.Tensor
     beta: torch.Tensor
 
+    def rows_of(self, slot: int) -> int:
+        """How many rows the step advanced the slot's state by."""
+        return next(n for s, _, n in self.seqs if s == slot)
+
 
 class GatedDeltaNet(nn.Module):
     """Under tensor parallelism (tp lanes) a lane holds its share of the key heads and the value heads that

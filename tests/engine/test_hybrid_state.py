@@ -603,3 +603,54 @@ def test_the_mtp_block_reads_its_tensors_in_llama_cpps_order(converted):
 def test_draft_mtp_that_cannot_run_is_one_line_at_start(converted, name, extra, says):
     with pytest.raises(ConfigError, match=says):
         converted.core(DATA, name, speculative={"type": "draft-mtp"}, **extra)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton kernels, "
+                    "which only the interpreter takes")
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(converted, name):
+    """A hybrid model's verify graph (R = 3 rows a sequence, a bucket of 4) on the worker: two drafted
+    sequences of 3 and 2 rows beside a plain decode row, so every state goes through all 3 rows, padding
+    included. The next step (its plan rolling the drafted ones back to 2 and 1 rows kept; the worker rolls
+    the decode row's padding back itself) gives the logits and leaves the states that the same two steps
+    give with the verify step run eagerly; the next step, which has no guesses, does not take the verify
+    graph (its padding would go into the states with no roll back)."""
+    from vegaserve.engine.cuda_graphs import DecodeGraphs
+    from vegaserve.engine.layers.attention import KVCache
+
+    core = converted.core(DATA, name, speculative={"type": "ngram", "draft_max": 2})
+    worker = core.runner.executor.worker
+    bs = core.pool.block_size
+    lengths, counts, kept = [5, 17, 9], [3, 1, 2], [2, 1, 1]
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + 3) // bs)) for n in lengths]
+    slots = (2, 0, 3)
+    worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, bs, slots))
+    nxt = [torch.randint(0, 320, (c,), generator=gen).tolist() for c in counts]
+    verify = StepPlan([(b, n, t) for b, n, t in zip(blocks, lengths, nxt, strict=True)], [True, False, True], bs,
+                      slots, snapshot=(0, 2))
+    after = StepPlan([(b, n + k, [7]) for b, n, k in zip(blocks, lengths, kept, strict=True)], [False] * 3, bs, slots,
+                     rollback=((2, 2), (3, 1)))
+    cache = worker.cache
+    mine = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                   cache.k.device, spare=bs)
+    mine.k[:, : cache.num_slots], mine.v[:, : cache.num_slots] = cache.k, cache.v
+    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True)
+    mine.state.conv[:, :-1], mine.state.ssm[:, :-1] = cache.state.conv, cache.state.ssm
+    graphs = DecodeGraphs(worker.model, mine, 4, core.max_model_len, bs, torch.device("cpu"), rows=3)
+    assert graphs.fits(verify.seqs, verify.all_logits)
+
+    worker.cache, worker.verify_graphs = mine, graphs
+    replayed = worker.run(verify).clone()
+    assert [n for _, _, n in worker.saved.seqs] == [3, 3, 3] and worker.pending == [(0, 1)]
+    replayed_next = worker.run(after).clone()
+    worker.cache, worker.verify_graphs = cache, None
+    eager = worker.run(verify)
+    assert {slot: n for slot, _, n in worker.saved.seqs} == {2: 3, 3: 2}
+    eager_next = worker.run(after)
+    assert converted.rel(replayed, eager) < 1e-4
+    assert converted.rel(replayed_next, eager_next) < 1e-4
+    for s in slots:
+        assert converted.rel(mine.state.ssm[:, s], cache.state.ssm[:, s]) < 1e-5
+        assert converted.rel(mine.state.conv[:, s], cache.state.conv[:, s]) < 1e-6
