@@ -277,11 +277,16 @@ class DecodeGraphs:
             self._widen(b)
             fb = self._batch(b)
             out = self.model.forward(fb, self.cache)[:wanted]
+            if self.model.keep_hidden and R > 1:
+                self.model.hidden = self.model.hidden[[i * R + j for i, (_, _, t) in enumerate(seqs) for j in range(len(t))]]
             self._keep_saved(fb.saved, state_slots)
             return out
         self.copied.record()
         graph, logits, hidden, saved = self.graphs[b]
         graph.replay()
+        if hidden is not None and R > 1:  # draft-mtp reads each sequence's rows one after the other
+            hidden = hidden[torch.tensor([i * R + j for i, (_, _, t) in enumerate(seqs) for j in range(len(t))],
+                                         device=hidden.device)]
         self.model.hidden = hidden
         self._keep_saved(saved, state_slots)
         return self.model.gather_logits(logits[:wanted])

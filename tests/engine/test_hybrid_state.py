@@ -642,11 +642,15 @@ def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(con
     assert graphs.fits(verify.seqs, verify.all_logits)
 
     worker.cache, worker.verify_graphs = mine, graphs
+    worker.model.keep_hidden = True  # (as draft-mtp has it: every real row's output-normed state, in order)
     replayed = worker.run(verify).clone()
+    replayed_hidden = worker.model.hidden.clone()
     assert [n for _, _, n in worker.saved.seqs] == [3, 3, 3] and worker.pending == [(0, 1)]
     replayed_next = worker.run(after).clone()
     worker.cache, worker.verify_graphs = cache, None
     eager = worker.run(verify)
+    assert replayed_hidden.shape == worker.model.hidden.shape == (6, 64)
+    assert converted.rel(replayed_hidden, worker.model.hidden) < 1e-4
     assert {slot: n for slot, _, n in worker.saved.seqs} == {2: 3, 3: 2}
     eager_next = worker.run(after)
     assert converted.rel(replayed, eager) < 1e-4
@@ -654,3 +658,49 @@ def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(con
     for s in slots:
         assert converted.rel(mine.state.ssm[:, s], cache.state.ssm[:, s]) < 1e-5
         assert converted.rel(mine.state.conv[:, s], cache.state.conv[:, s]) < 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton kernels, "
+                    "which only the interpreter takes")
+@pytest.mark.parametrize("spec", [{"type": "draft-mtp"}, {"type": "ngram", "draft_max": 2}], ids=["mtp", "oracle"])
+def test_speculation_through_the_verify_graphs_static_batch_changes_no_output(converted, spec):
+    """The engine end to end with its verify steps on a verify graph's static batch (R = 3, as on a GPU, here
+    run eagerly through the Triton kernels under the interpreter): greedy output equals plain decoding's,
+    with the MTP block drafting (it reads each sequence's hidden rows from the padded layout) and with the
+    oracle proposer whose wrong guess moves through every position."""
+    from vegaserve.engine.cuda_graphs import DecodeGraphs
+    from vegaserve.engine.layers.attention import KVCache
+
+    gen = torch.Generator().manual_seed(9)
+    base = [torch.randint(0, 320, (4,), generator=gen).tolist() for _ in range(2)]
+    prompts = [base[0] * 3, base[1] * 2 + [5]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def run(core: EngineCore) -> list[list[int]]:
+        reqs = [GenerateRequest(list(p), params) for p in prompts]
+        for r in reqs:
+            core.add_request(r)
+        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while core.has_work:
+            for out in core.step():
+                got[out.request_id].extend(out.token_ids)
+        return [got[r.request_id] for r in reqs]
+
+    plain = run(converted.core(DATA, "qwen35"))
+    core = converted.core(DATA, "qwen35", speculative=spec, scheduler={"max_num_seqs": 2})
+    worker = core.runner.executor.worker
+    bs = core.pool.block_size
+    cache = worker.cache
+    mine = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                   cache.k.device, spare=bs)
+    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True)
+    worker.cache = mine
+    worker.verify_graphs = DecodeGraphs(worker.model, mine, 2, core.max_model_len, bs, torch.device("cpu"), rows=3)
+    if spec["type"] == "ngram":
+        core.spec.proposer = _Oracle({tuple(p): t for p, t in zip(prompts, plain, strict=True)}, core.arch.vocab_size)
+    replays = []
+    run_graph = worker.verify_graphs.run
+    worker.verify_graphs.run = lambda *a, **kw: replays.append(1) or run_graph(*a, **kw)
+    assert run(core) == plain
+    st = core.stats()
+    assert replays and st.spec_num_drafts > 0, (len(replays), st.spec_num_drafts)
