@@ -93,8 +93,8 @@ class StageWorker:
         # sequence's state goes through all R rows, padding included)
         if (self.verify_graphs is not None and input_ids is None and (state is None or plan.snapshot)
                 and self.verify_graphs.fits(plan.seqs, plan.all_logits)):
-            if state is not None:  # every sequence goes through R rows: all backed up
-                state.back_up(list(plan.state_slots))
+            if state is not None:  # every sequence goes through R rows: all backed up (a new one's as zeros)
+                state.back_up(list(plan.state_slots), [start == 0 for _, start, _ in plan.seqs])
             out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits, state_slots=plan.state_slots)
             if state is not None:
                 self.saved = self.verify_graphs.saved_rows

@@ -60,13 +60,18 @@ class RecurrentState:
     def nbytes(self) -> int:
         return (self.conv.numel() + self.ssm.numel()) * 4
 
-    def back_up(self, slots: list[int]) -> None:
-        """Every layer's state of `slots` into their backups (before a verify step)."""
+    def back_up(self, slots: list[int], fresh: list[bool] | None = None) -> None:
+        """Every layer's state of `slots` into their backups (before a verify step); a `fresh` one (a
+        sequence at its first token: no state before it) backs up zeros, whatever its slot holds."""
         if not self.backups:
             raise ValueError("this recurrent state keeps no backups (speculative decoding is off)")
         own = torch.tensor(slots, device=self.conv.device)
         self.conv[:, own + self.slots] = self.conv[:, own]
         self.ssm[:, own + self.slots] = self.ssm[:, own]
+        if fresh is not None and any(fresh):
+            zero = torch.tensor([s for s, f in zip(slots, fresh, strict=True) if f], device=self.conv.device)
+            self.conv[:, zero + self.slots] = 0.0
+            self.ssm[:, zero + self.slots] = 0.0
 
     def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
         """After a verify step whose guesses were not all kept: each (slot, m) of `keep` goes back to its

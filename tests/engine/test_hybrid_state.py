@@ -610,8 +610,8 @@ def test_draft_mtp_that_cannot_run_is_one_line_at_start(converted, name, extra, 
 @pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
 def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(converted, name):
     """A hybrid model's verify graph (R = 3 rows a sequence, a bucket of 4) on the worker: two drafted
-    sequences of 3 and 2 rows beside a plain decode row, so every state goes through all 3 rows, padding
-    included. The next step (its plan rolling the drafted ones back to 2 and 1 rows kept; the worker rolls
+    sequences of 3 and 2 rows beside a plain decode row and a new request's first 2 prompt tokens (its slot
+    holding a former owner's state), so every state goes through all 3 rows, padding included. The next step (its plan rolling the drafted ones back to 2 and 1 rows kept; the worker rolls
     the decode row's padding back itself) gives the logits and leaves the states that the same two steps
     give with the verify step run eagerly; the next step, which has no guesses, does not take the verify
     graph (its padding would go into the states with no roll back)."""
@@ -628,10 +628,13 @@ def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(con
     slots = (2, 0, 3)
     worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, bs, slots))
     nxt = [torch.randint(0, 320, (c,), generator=gen).tolist() for c in counts]
-    verify = StepPlan([(b, n, t) for b, n, t in zip(blocks, lengths, nxt, strict=True)], [True, False, True], bs,
-                      slots, snapshot=(0, 2))
-    after = StepPlan([(b, n + k, [7]) for b, n, k in zip(blocks, lengths, kept, strict=True)], [False] * 3, bs, slots,
-                     rollback=((2, 2), (3, 1)))
+    # and a new request's first 2 prompt tokens, in a slot whose last owner left its state behind
+    fresh = core.pool.allocate(1)
+    worker.cache.state.conv[:, 1], worker.cache.state.ssm[:, 1] = 5.0, 5.0
+    verify = StepPlan([*((b, n, t) for b, n, t in zip(blocks, lengths, nxt, strict=True)), (fresh, 0, [40, 41])],
+                      [True, False, True, False], bs, (*slots, 1), snapshot=(0, 2))
+    after = StepPlan([*((b, n + k, [7]) for b, n, k in zip(blocks, lengths, kept, strict=True)), (fresh, 2, [42])],
+                     [False] * 4, bs, (*slots, 1), rollback=((2, 2), (3, 1)))
     cache = worker.cache
     mine = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
                    cache.k.device, spare=bs)
@@ -645,17 +648,17 @@ def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(con
     worker.model.keep_hidden = True  # (as draft-mtp has it: every real row's output-normed state, in order)
     replayed = worker.run(verify).clone()
     replayed_hidden = worker.model.hidden.clone()
-    assert [n for _, _, n in worker.saved.seqs] == [3, 3, 3] and worker.pending == [(0, 1)]
+    assert [n for _, _, n in worker.saved.seqs] == [3, 3, 3, 3] and worker.pending == [(0, 1), (1, 2)]
     replayed_next = worker.run(after).clone()
     worker.cache, worker.verify_graphs = cache, None
     eager = worker.run(verify)
-    assert replayed_hidden.shape == worker.model.hidden.shape == (6, 64)
+    assert replayed_hidden.shape == worker.model.hidden.shape == (8, 64)
     assert converted.rel(replayed_hidden, worker.model.hidden) < 1e-4
     assert {slot: n for slot, _, n in worker.saved.seqs} == {2: 3, 3: 2}
     eager_next = worker.run(after)
     assert converted.rel(replayed, eager) < 1e-4
     assert converted.rel(replayed_next, eager_next) < 1e-4
-    for s in slots:
+    for s in (*slots, 1):
         assert converted.rel(mine.state.ssm[:, s], cache.state.ssm[:, s]) < 1e-5
         assert converted.rel(mine.state.conv[:, s], cache.state.conv[:, s]) < 1e-6
 
