@@ -34,7 +34,7 @@ from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.distributed.allreduce_policy import AllReduceSwitches
 from vegaserve.engine.distributed.communicator import LocalCommunicator, TorchCommunicator
 from vegaserve.engine.distributed.worker import StageWorker
-from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.engine.forward_batch import MtpPlan, StepPlan
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
 from vegaserve.engine.launch import Launch, engine_shape, pick_device, plan_launch, rank_device
 from vegaserve.engine.layers.attention import kv_cache_dtype
@@ -189,6 +189,14 @@ class Executor:
         assert out is not None  # rank 0 always gets the logits
         return out
 
+    def forward_mtp(self, plan: MtpPlan, h_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over plan on every rank, h_in [plan.rows, hidden] f32 on rank 0's device: (its output
+        hidden states, the logits of each sequence's last row), on rank 0."""
+        if self.distributed:
+            self.worker.comm.broadcast_plan(plan)
+            self.worker.comm.broadcast_rows(h_in)
+        return self.worker.run_mtp(plan, h_in)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -263,6 +271,10 @@ def worker_main(rank: int, launch: Launch, spawned: bool = True) -> None:
             plan = comm.broadcast_plan()
             if plan is None:
                 break
-            worker.run(plan)  # type: ignore[arg-type]
+            if isinstance(plan, MtpPlan):
+                h_in = comm.broadcast_rows(torch.empty(plan.rows, worker.hidden, device=worker.device))
+                worker.run_mtp(plan, h_in)
+            else:
+                worker.run(plan)  # type: ignore[arg-type]
     finally:
         comm.close()

@@ -48,6 +48,17 @@ class StepPlan:
     rollback: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class MtpPlan:
+    """A step of the model's MTP block (speculative decoding's draft-mtp) for every rank: the sequences as
+    StepPlan has them (positions with their tokens), the block's KV in the target's blocks. The hidden
+    states each row pairs with, [rows, hidden] f32, follow on the device from rank 0 (Communicator
+    broadcast_rows)."""
+
+    step: StepPlan
+    rows: int
+
+
 class HostStaging:
     """A step's int64 inputs to the device in one copy: packed into a pinned host buffer, copied into a
     device buffer, handed out as views. Both buffers grow in powers of two and are kept, so a steady state

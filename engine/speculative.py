@@ -32,6 +32,7 @@ are written over by the next step; the blocks wholly past the request's tokens g
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 
 from vegaserve.engine.config import ConfigError, EngineConfig, ParallelConfig
-from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, StepPlan
+from vegaserve.engine.forward_batch import MtpPlan, StepPlan
 from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
 from vegaserve.engine.request import SamplingParams, TokenLogprob
 from vegaserve.engine.sampling import logprob_records, draw_uniforms, adjust_logits, greedy_argmax, probabilities
@@ -206,13 +207,12 @@ class MtpProposer:
     needs_slots = True  # propose writes KV at the guesses' positions: extend gives the slots first
 
     def __init__(self, executor, block_size: int) -> None:
+        self.executor = executor  # every rank of a tensor-parallel group runs the block (forward_mtp)
         self.worker = executor.worker
         self.model = self.worker.model
-        self.head = self.model.nextn[0]
         self.block_size = block_size
         self.states: dict[str, _MtpState] = {}
         self.non_finite = 0
-        self.staging = HostStaging(self.worker.device)  # its own pinned buffers, kept between proposals
 
     def observe(self, batch: ScheduledBatch, kept_rows: list[int]) -> None:
         """After a target step: kept_rows[i] of batch.seqs[i]'s rows are computed for good."""
@@ -245,15 +245,14 @@ class MtpProposer:
             st.h_from, st.h = start, []
         step = 0
         while live:
-            plan = StepPlan(seqs, [False] * len(seqs), bs)
-            fb = ForwardBatch.build(worker.slots_of(plan), plan.all_logits, dev, bs, self.staging)
-            out, logits = self.head(model, torch.stack(h_in), worker.cache, fb)
+            h = torch.stack(h_in)
+            out, logits = self.executor.forward_mtp(MtpPlan(StepPlan(seqs, [False] * len(seqs), bs), len(h)), h)
             ids = logits.argmax(dim=-1).tolist()
             finite = torch.isfinite(logits).all(dim=-1).tolist()
-            last = fb.logits_rows
+            last = list(itertools.accumulate(len(t) for _, _, t in seqs))  # each sequence's last row, + 1
             seqs, h_in, nxt = [], [], []
             step += 1
-            for (i, r, start), tok, ok, row in zip(live, ids, finite, last.tolist(), strict=True):
+            for (i, r, start), tok, ok, end in zip(live, ids, finite, last, strict=True):
                 if not ok:
                     drafts[i] = []
                     self.non_finite += 1
@@ -262,7 +261,7 @@ class MtpProposer:
                 if len(drafts[i]) < ks[i]:
                     pos = start + step
                     seqs.append((r.table.blocks_of(pos + 1), pos, [tok]))
-                    h_in.append(out[row])
+                    h_in.append(out[end - 1])
                     nxt.append((i, r, start))
             live = nxt
         return drafts
@@ -302,9 +301,10 @@ def check_speculative(config: EngineConfig, arch, gguf) -> None:
         if arch.hybrid is None:
             raise ConfigError(f"{gguf.path}: --spec-type draft-mtp is not supported yet for {arch.architecture} (it runs "
                               f"the MTP block of qwen35, qwen35moe and qwen3next)")
-        if config.parallel.split_mode != "none":
-            raise ConfigError(f"--spec-type draft-mtp with -sm {config.parallel.split_mode}: not supported yet (one "
-                              f"device: the MTP block drafts on the target's)")
+        pipeline = config.parallel.split_mode == "layer" or config.parallel.tensor_parallel_group
+        if pipeline:
+            raise ConfigError(f"--spec-type draft-mtp over a pipeline (-sm layer, -tps): not supported yet (one device, "
+                              f"or -sm tensor alone)")
     if spec.type == "draft":
         assert spec.draft_model is not None  # SpeculativeConfig requires it for type draft
         _checked_draft(GGUFFile(spec.draft_model, config.model.load_mode),

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "checked at start (default: what the device reports)")
     g.add_argument("--spec-type", choices=["none", "ngram", "draft", "draft-mtp"],
                    help="speculative decoding: ngram (prompt lookup), draft (a draft model, -md), draft-mtp (the "
-                   "model's own MTP block: the qwen35 family, one device) (default none)")
+                   "model's own MTP block: the qwen35 family, one device or -sm tensor) (default none)")
     g.add_argument("-md", "--model-draft", "--spec-draft-model", metavar="FILE",
                    help="the draft model's GGUF for --spec-type draft; it must share the model's vocabulary")
     g.add_argument("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", type=int, metavar="N",

@@ -93,6 +93,10 @@ class Communicator:
         """Rank 0 passes the step's plan and every other rank gets it back."""
         raise NotImplementedError
 
+    def broadcast_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor into every rank's `t` (same shape and type on each), in place; returns t."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -110,6 +114,9 @@ class LocalCommunicator(Communicator):
 
     def broadcast_plan(self, plan: object | None = None) -> object:
         return plan
+
+    def broadcast_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 class TorchCommunicator(Communicator):
@@ -250,6 +257,13 @@ class TorchCommunicator(Communicator):
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def broadcast_rows(self, t: torch.Tensor) -> torch.Tensor:
+        w = self._wire(t)
+        dist.broadcast(w, src=0)
+        if w is not t:
+            t.copy_(w)
+        return t
 
     def close(self) -> None:
         if self.custom is not None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vegaserve.engine.distributed.communicator import Communicator
-from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, StepPlan
+from vegaserve.engine.forward_batch import ForwardBatch, HostStaging, MtpPlan, StepPlan
 from vegaserve.engine.layers.attention import KVCache
 from vegaserve.engine.layers.delta_net import SavedRows
 from vegaserve.engine.models.llama import LlamaModel
@@ -71,6 +71,7 @@ class StageWorker:
         self.saved: SavedRows | None = None  # hybrid models: the last verify step's rows, for a roll back
         self.pending: list[tuple[int, int]] = []  # roll backs this rank owes the next step (a replayed verify step)
         self.staging = HostStaging(device)
+        self.mtp_staging = HostStaging(device)  # draft-mtp's steps upload through buffers of their own
         self.n_copies = n_copies or comm.topo.pp
         self.hidden = cfg.hidden_size
         self.vocab = cfg.vocab_size
@@ -138,6 +139,14 @@ class StageWorker:
             return None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
+
+    @torch.inference_mode()
+    def run_mtp(self, plan: MtpPlan, h_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's MTP block over plan (every rank of a tensor-parallel group alike): (its output hidden
+        states [rows, hidden], the logits of each sequence's last row, the whole vocabulary)."""
+        step = plan.step
+        fb = ForwardBatch.build(self.slots_of(step), step.all_logits, self.device, step.block_size, self.mtp_staging)
+        return self.model.nextn[0](self.model, h_in, self.cache, fb)
 
     def slots_of(self, plan: StepPlan) -> list[tuple[np.ndarray, int, list[int]]]:
         """(slots of positions 0 .. start + n - 1, start, tokens): the slots expanded from the block ids on

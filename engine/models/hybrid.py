@@ -176,14 +176,16 @@ class NextNHead(nn.Module):
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """batch's tokens, h_in [T, hidden] (the hidden state each row pairs with) -> (its output hidden
         state [T, hidden], normed, and the logits [len(batch.logits_rows), vocab] f32)."""
-        embed = self.embed if self.embed is not None else model.embed
-        norm = self.head_norm if self.head_norm is not None else model.norm
-        head = self.head if self.head is not None else model.lm_head
-        e = self.enorm(embed(batch.input_ids))
+        # the model's embedding and head are vocabulary slices under tensor parallelism: its own lookup and
+        # gather complete them; the block's own (whole) ones need neither
+        e = self.enorm(self.embed(batch.input_ids) if self.embed is not None else model.embed_tokens(batch))
         x = self.eh_proj(torch.cat([e, self.hnorm(h_in.to(e.dtype))], dim=-1))
         h, delta = self.block(x, model.rope, cache, batch)
-        out = norm(h + delta)
-        return out, head(out[batch.logits_rows]).float()
+        out = (self.head_norm if self.head_norm is not None else model.norm)(h + delta)
+        last = out[batch.logits_rows]
+        if self.head is not None:
+            return out, self.head(last).float()
+        return out, model.gather_logits(model.lm_head(last).float())
 
 
 class HybridModel(LlamaModel):

@@ -598,7 +598,7 @@ def test_the_mtp_block_reads_its_tensors_in_llama_cpps_order(converted):
 
 @pytest.mark.parametrize(("name", "extra", "says"), [
     ("qwen35moe", {}, "needs an MTP \\(NextN\\) head, and this model has none"),
-    ("qwen35", {"parallel": {"split_mode": "layer", "n_devices": 2}}, "draft-mtp with -sm layer: not supported yet"),
+    ("qwen35", {"parallel": {"split_mode": "layer", "n_devices": 2}}, "draft-mtp over a pipeline .* not supported yet"),
 ], ids=["no-mtp-block", "pipeline"])
 def test_draft_mtp_that_cannot_run_is_one_line_at_start(converted, name, extra, says):
     with pytest.raises(ConfigError, match=says):
@@ -707,3 +707,36 @@ def test_speculation_through_the_verify_graphs_static_batch_changes_no_output(co
     assert run(core) == plain
     st = core.stats()
     assert replays and st.spec_num_drafts > 0, (len(replays), st.spec_num_drafts)
+
+
+def test_draft_mtp_under_tensor_parallelism_runs_the_block_on_every_lane(converted):
+    """-sm tensor over two CPU processes with draft-mtp: every lane runs its share of the MTP block (rank 0
+    broadcasts each MTP step and the hidden rows it pairs with); the output is one process's plain decoding,
+    token for token, with the same guesses as one process drafting."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (9, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(core: EngineCore) -> tuple[list[list[int]], list]:
+        guesses: list = []
+        if core.spec is not None:
+            propose = core.spec.proposer.propose
+            core.spec.proposer.propose = lambda reqs, ks: guesses.append(propose(reqs, ks)) or guesses[-1]
+        try:
+            reqs = [GenerateRequest(list(p), params) for p in prompts]
+            for r in reqs:
+                core.add_request(r)
+            got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+            while core.has_work:
+                for out in core.step():
+                    got[out.request_id].extend(out.token_ids)
+            return [got[r.request_id] for r in reqs], guesses
+        finally:
+            core.close()
+
+    plain, _ = run(converted.core(DATA, "qwen35"))
+    one, one_guesses = run(converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"}))
+    two, two_guesses = run(converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"},
+                                          parallel={"split_mode": "tensor", "n_devices": 2}))
+    assert one == plain and two == plain
+    assert two_guesses == one_guesses and any(d for step in one_guesses for d in step)
