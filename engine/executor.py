@@ -73,7 +73,8 @@ VERIFY_ROWS = 512
 
 def make_worker(launch: Launch, model, comm, device: torch.device, show_progress: bool = False) -> StageWorker:
     """The rank's worker: its KV cache in the configured type (a hybrid model's recurrent state for
-    max_num_seqs sequences beside it) and, on a single GPU, its decode graphs."""
+    max_num_seqs sequences beside it) and its decode and verify graphs: on a single GPU, or on each rank of
+    tensor parallelism alone with the peer-write AllReduce."""
     cfg = launch.config
     bs = cfg.cache.block_size
     if device.type == "cuda":

@@ -66,7 +66,7 @@ class StageWorker:
         cfg = model.cfg
         self.cache = KVCache(model.n_cache_layers, num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
         self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0), backups=state_backups)
-        self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor on one device
+        self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor (make_worker)
         self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
         self.saved: SavedRows | None = None  # hybrid models: the last verify step's rows, for a roll back
         self.pending: list[tuple[int, int]] = []  # roll backs this rank owes the next step (a replayed verify step)
