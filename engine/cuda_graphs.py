@@ -276,27 +276,17 @@ class DecodeGraphs:
         if self.copied is None:  # not captured (a CPU, in tests): the same static batch, run eagerly
             self._widen(b)
             fb = self._batch(b)
-            out = self.model.forward(fb, self.cache)[:wanted]
-            if self.model.keep_hidden and R > 1:
-                self.model.hidden = self.model.hidden[[i * R + j for i, (_, _, t) in enumerate(seqs) for j in range(len(t))]]
-            self._keep_saved(fb.saved, state_slots)
-            return out
-        self.copied.record()
-        graph, logits, hidden, saved = self.graphs[b]
-        graph.replay()
+            logits, hidden, saved = self.model.forward(fb, self.cache), self.model.hidden, fb.saved
+        else:
+            self.copied.record()
+            graph, logits, hidden, saved = self.graphs[b]
+            graph.replay()
+            logits = self.model.gather_logits(logits[:wanted])
         if hidden is not None and R > 1:  # draft-mtp reads each sequence's rows one after the other
             hidden = hidden[torch.tensor([i * R + j for i, (_, _, t) in enumerate(seqs) for j in range(len(t))],
                                          device=hidden.device)]
         self.model.hidden = hidden
-        self._keep_saved(saved, state_slots)
-        return self.model.gather_logits(logits[:wanted])
-
-    def _keep_saved(self, saved: dict, state_slots: tuple[int, ...]) -> None:
-        """A hybrid model's verify step: every sequence's R rows' inputs to its state (its state went through
-        all R rows, padding included: the worker rolls each back to the rows it keeps)."""
-        if not saved:
-            return
-        R = self.rows_per_seq
-        layers = [saved[i] for i in sorted(saved)]
-        self.saved_rows = SavedRows([(slot, i * R, R) for i, slot in enumerate(state_slots)],
-                                    *(torch.stack(parts) for parts in zip(*layers, strict=True)))
+        if saved:  # a hybrid model's verify step: every sequence's state went through all R rows (the worker
+            # rolls each back to the rows it keeps)
+            self.saved_rows = SavedRows.of_layers([(slot, i * R, R) for i, slot in enumerate(state_slots)], saved)
+        return logits[:wanted]

@@ -72,8 +72,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.readback = TokenReadback()
         self.masks = masks  # fills guided requests' masks; None: the engine serves no grammars
-        # hybrid models: (state slot, rows kept) of the last verify step's sequences whose guesses were not all
-        # kept, for the next step's plan (StepPlan.rollback)
+        # hybrid models: (state slot, rows kept) of the last verify step's drafted sequences, for the next step's
+        # plan (StepPlan.rollback; each rank rolls back those it computed more rows of)
         self.rollback: list[tuple[int, int]] = []
 
     @property

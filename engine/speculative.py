@@ -50,6 +50,16 @@ from vegaserve.engine.scheduler import Request, ScheduledBatch, ScheduledSeq
 log = logging.getLogger(__name__)
 
 
+def _cover(table: BlockTable, n: int) -> bool:
+    """The table grown to hold n positions; False where the pool has no block left for it."""
+    try:
+        if n > table.num_slots:
+            table.append_slots(n - table.num_slots)
+    except NoFreeBlocks:
+        return False
+    return True
+
+
 # -- proposers ------------------------------------------------------------------------------------------
 class _NgramIndex:
     """Where each n-gram (n in sizes) of one request's tokens last ended, for positions < `indexed`."""
@@ -149,11 +159,7 @@ class DraftModelProposer:
                 st = self.states[r.request_id] = _DraftState(BlockTable(self.pool))
             # what the last verification rejected is past the request's tokens: those positions are stale
             st.computed = min(st.computed, r.num_tokens - 1)
-            try:  # slots for the catch-up and k - 1 fed guesses
-                need = r.num_tokens + k - 1 - st.table.num_slots
-                if need > 0:
-                    st.table.append_slots(need)
-            except NoFreeBlocks:
+            if not _cover(st.table, r.num_tokens + k - 1):  # slots for the catch-up and k - 1 fed guesses
                 continue
             live.append((i, st, r.token_slice(st.computed, r.num_tokens - st.computed)))
         while live:
@@ -202,17 +208,16 @@ class MtpProposer:
     then, per request, catches the block up (position p pairs token p with the hidden state of p - 1; a
     request's first position with zeros), its last row the request's newest token, whose logits give the
     first guess; each further guess feeds the guess before with the block's own output hidden state.
-    Greedy; a draft with non-finite logits is dropped whole. One process only."""
+    Greedy; a draft with non-finite logits is dropped whole. One device, or every lane of tensor
+    parallelism (Executor.forward_mtp)."""
 
     needs_slots = True  # propose writes KV at the guesses' positions: extend gives the slots first
 
     def __init__(self, executor, block_size: int) -> None:
         self.executor = executor  # every rank of a tensor-parallel group runs the block (forward_mtp)
-        self.worker = executor.worker
-        self.model = self.worker.model
+        self.model = executor.worker.model  # rank 0's: its hidden states after each step
         self.block_size = block_size
         self.states: dict[str, _MtpState] = {}
-        self.non_finite = 0
 
     def observe(self, batch: ScheduledBatch, kept_rows: list[int]) -> None:
         """After a target step: kept_rows[i] of batch.seqs[i]'s rows are computed for good."""
@@ -227,8 +232,8 @@ class MtpProposer:
             at += len(s.tokens)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        worker, model, bs = self.worker, self.model, self.block_size
-        dev = worker.device
+        model, bs = self.model, self.block_size
+        dev = self.executor.worker.device
         drafts: list[list[int]] = [[] for _ in reqs]
         seqs, h_in, live = [], [], []
         for i, r in enumerate(reqs):
@@ -253,9 +258,8 @@ class MtpProposer:
             seqs, h_in, nxt = [], [], []
             step += 1
             for (i, r, start), tok, ok, end in zip(live, ids, finite, last, strict=True):
-                if not ok:
+                if not ok:  # the fail-safe: dropped whole
                     drafts[i] = []
-                    self.non_finite += 1
                     continue
                 drafts[i].append(tok)
                 if len(drafts[i]) < ks[i]:
@@ -301,10 +305,13 @@ def check_speculative(config: EngineConfig, arch, gguf) -> None:
         if arch.hybrid is None:
             raise ConfigError(f"{gguf.path}: --spec-type draft-mtp is not supported yet for {arch.architecture} (it runs "
                               f"the MTP block of qwen35, qwen35moe and qwen3next)")
-        pipeline = config.parallel.split_mode == "layer" or config.parallel.tensor_parallel_group
-        if pipeline:
-            raise ConfigError(f"--spec-type draft-mtp over a pipeline (-sm layer, -tps): not supported yet (one device, "
-                              f"or -sm tensor alone)")
+        from vegaserve.engine.distributed.topology import plan_topology
+        from vegaserve.engine.launch import count_devices
+
+        par = config.parallel
+        if plan_topology(par.split_mode, par.tensor_parallel_group, count_devices(config)).pp > 1:
+            raise ConfigError("--spec-type draft-mtp over a pipeline (-sm layer, -tps): not supported yet (one device, "
+                              "or -sm tensor alone)")
     if spec.type == "draft":
         assert spec.draft_model is not None  # SpeculativeConfig requires it for type draft
         _checked_draft(GGUFFile(spec.draft_model, config.model.load_mode),
@@ -490,12 +497,8 @@ class Speculator:
             k = min(self.k, r.max_new_tokens - len(r.output_ids) - 1, room)
             if k < max(1, self.config.draft_min):
                 continue
-            if slots_first:
-                try:
-                    if s.start + 1 + k > r.table.num_slots:
-                        r.table.append_slots(s.start + 1 + k - r.table.num_slots)
-                except NoFreeBlocks:
-                    continue
+            if slots_first and not _cover(r.table, s.start + 1 + k):
+                continue
             picked.append(i)
             ks.append(k)
             room -= k
@@ -508,10 +511,7 @@ class Speculator:
                 continue
             s = seqs[i]
             r, n = s.request, s.start + 1 + len(d)
-            try:
-                if n > r.table.num_slots:
-                    r.table.append_slots(n - r.table.num_slots)
-            except NoFreeBlocks:
+            if not _cover(r.table, n):
                 continue
             seqs[i] = ScheduledSeq(r, s.start, s.tokens + d, r.table.blocks_of(n), samples=True, drafts=tuple(d))
         return ScheduledBatch(seqs)

@@ -99,9 +99,9 @@ class StageWorker:
             out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits, state_slots=plan.state_slots)
             if state is not None:
                 self.saved = self.verify_graphs.saved_rows
-                drafted = set(plan.snapshot)  # (the others' rows are all kept: back to them before the next step)
-                self.pending = [(slot, len(t)) for i, (slot, (_, _, t)) in enumerate(zip(plan.state_slots, plan.seqs,
-                                                                                           strict=True)) if i not in drafted]
+                # the others' rows are all kept: back to them before the next step
+                self.pending = [(plan.state_slots[i], len(t)) for i, (_, _, t) in enumerate(plan.seqs)
+                                if i not in plan.snapshot]
             return out if self.comm.rank == 0 else None
         if plan.snapshot:
             state.back_up([plan.state_slots[i] for i in plan.snapshot])
@@ -121,8 +121,7 @@ class StageWorker:
                 h = comm.recv_prev((fb.input_ids.numel(), self.hidden), torch.float32, self.device)
             h = model.run_layers(h, self.cache, fb)
             if fb.snapshot is not None:
-                layers = [fb.saved[i] for i in sorted(fb.saved)]
-                self.saved = SavedRows(fb.snapshot.seqs, *(torch.stack(parts) for parts in zip(*layers, strict=True)))
+                self.saved = SavedRows.of_layers(fb.snapshot.seqs, fb.saved)
             if not comm.is_last_stage:
                 pending.append(comm.send_next(h))
                 continue

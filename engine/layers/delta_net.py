@@ -74,8 +74,8 @@ class RecurrentState:
             self.ssm[:, zero + self.slots] = 0.0
 
     def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
-        """After a verify step whose guesses were not all kept: each (slot, m) of `keep` goes back to its
-        backup advanced by its first m rows of that step, from the rows' inputs `saved` kept (every
+        """After a verify step that computed rows past those kept (rejected guesses, a replayed step's
+        padding): each (slot, m) of `keep` goes back to its backup advanced by its first m rows of that step, from the rows' inputs `saved` kept (every
         layer at once): the conv rows are the last K - 1 of [backup rows; the m rows' inputs], the delta
         rule's state the recurrence over the m rows from the backup's (as a decode step computes it).
         kernel: through delta_rule_recurrent (None: on a GPU), else the torch reference."""
@@ -130,6 +130,12 @@ class SavedRows:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+
+    @classmethod
+    def of_layers(cls, seqs: list[tuple[int, int, int]], saved: dict[int, tuple[torch.Tensor, ...]]) -> SavedRows:
+        """From ForwardBatch.saved: each state layer's (mixed, k, v, g, beta), stacked in layer order."""
+        layers = [saved[i] for i in sorted(saved)]
+        return cls(seqs, *(torch.stack(parts) for parts in zip(*layers, strict=True)))
 
     def rows_of(self, slot: int) -> int:
         """How many rows the step advanced the slot's state by."""
@@ -206,28 +212,29 @@ class GatedDeltaNet(nn.Module):
         conv, ssm = state.conv[self.state_layer], state.ssm[self.state_layer]
         snap = batch.snapshot
         if x.is_cuda or not batch.seqs:
-            o, y = self._kernels(mixed.contiguous(), g, beta, conv, ssm, batch)
+            o, k, v = self._kernels(mixed.contiguous(), g, beta, conv, ssm, batch)
         else:
             o = torch.empty(T, hv, cfg.head_dim, dtype=torch.float32, device=x.device)
-            y = torch.empty_like(mixed) if snap is not None else None
+            # (a snapshot keeps every row's k and v, before the heads are expanded)
+            k = torch.empty(T, cfg.k_heads, cfg.head_dim, device=x.device) if snap is not None else None
+            v = torch.empty(T, hv, cfg.head_dim, device=x.device) if snap is not None else None
             verifying = {slot for slot, _, _ in snap.seqs} if snap is not None else set()
             for s in batch.seqs:
                 if s.state_slot < 0:  # -1 would index the last slot: another sequence's state
                     raise ValueError("a hybrid model's step needs every sequence's state slot (StepPlan.state_slots)")
                 rows = slice(s.offset, s.offset + s.n)
                 keep = s.start > 0
-                ys, conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w, conv[s.state_slot] if keep else None)
-                if y is not None:
-                    y[rows] = ys
-                q, k, v = self._qkv(ys)
-                q, k = (expand_heads(t, hv, cfg.tiled) for t in (q, k))
+                y, conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w, conv[s.state_slot] if keep else None)
+                qs, ks, vs = self._qkv(y)
+                if snap is not None:
+                    k[rows], v[rows] = ks, vs
+                qs, ks = (expand_heads(t, hv, cfg.tiled) for t in (qs, ks))
                 # decode, and a verify step's rows (as decode computes them): token by token; prompts in chunks
                 one_by_one = s.n == 1 or s.state_slot in verifying
                 rule = delta_rule_recurrent_ref if one_by_one else delta_rule_chunked_ref
-                o[rows], ssm[s.state_slot] = rule(q, k, v, g[rows], beta[rows], ssm[s.state_slot] if keep else None)
+                o[rows], ssm[s.state_slot] = rule(qs, ks, vs, g[rows], beta[rows], ssm[s.state_slot] if keep else None)
         if snap is not None:  # the snapshotted rows' inputs to the state, for a roll back after verification
-            _, k, v = self._qkv(y[snap.rows])
-            batch.saved[self.state_layer] = (mixed[snap.rows], k, v, g[snap.rows], beta[snap.rows])
+            batch.saved[self.state_layer] = tuple(t[snap.rows] for t in (mixed, k, v, g, beta))
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w
         o = (o * F.silu(z.float().view(T, hv, cfg.head_dim))).to(x.dtype)
         return self.out_proj(o.view(T, cfg.value_dim))
@@ -243,9 +250,9 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, cfg.v_heads, cfg.head_dim)
 
     def _kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch): (o, the
-        conv's output)."""
+                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch): (o, and the
+        rows' k and v, which a snapshot keeps)."""
         from vegaserve.triton_kernels.conv1d import conv1d_prefill, conv1d_update
         from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
         from vegaserve.triton_kernels.delta_rule_chunked import delta_rule_chunked
@@ -260,4 +267,4 @@ class GatedDeltaNet(nn.Module):
         # a verify step's few rows a sequence token by token, as decode computes them; prompts in chunks
         one_by_one = decode or (batch.snapshot is not None and r.max_query_len <= ONE_BY_ONE_ROWS)
         rule = delta_rule_recurrent if one_by_one else delta_rule_chunked
-        return rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled), y
+        return rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled), k, v

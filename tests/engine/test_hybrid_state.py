@@ -27,6 +27,18 @@ from vegaserve.engine.state_pool import StatePool
 DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid"
 
 
+def _side_by_side(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's generated tokens, the requests added together and stepped until all are done."""
+    reqs = [GenerateRequest(list(p), params) for p in prompts]
+    for r in reqs:
+        core.add_request(r)
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while core.has_work:
+        for out in core.step():
+            got[out.request_id].extend(out.token_ids)
+    return [got[r.request_id] for r in reqs]
+
+
 def _req(rid: str, n: int, max_tokens: int = 4) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), max_tokens)
 
@@ -190,14 +202,7 @@ def test_the_state_slot_reaches_every_stage_of_a_pipeline(converted):
 
     def run(core: EngineCore) -> list[list[int]]:
         try:
-            reqs = [GenerateRequest(list(p), params) for p in prompts]
-            for r in reqs:
-                core.add_request(r)
-            got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-            while core.has_work:
-                for out in core.step():
-                    got[out.request_id].extend(out.token_ids)
-            return [got[r.request_id] for r in reqs]
+            return _side_by_side(core, prompts, params)
         finally:
             core.close()
 
@@ -295,14 +300,7 @@ def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def run(core: EngineCore) -> list[list[int]]:
-        reqs = [GenerateRequest(list(p), params) for p in prompts]
-        for r in reqs:
-            core.add_request(r)
-        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        while core.has_work:
-            for out in core.step():
-                got[out.request_id].extend(out.token_ids)
-        return [got[r.request_id] for r in reqs]
+        return _side_by_side(core, prompts, params)
 
     plain = run(converted.core(DATA, name, device=device))
     core = converted.core(DATA, name, device=device, speculative={"type": "ngram", "draft_max": 4})
@@ -505,14 +503,7 @@ def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(conver
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(core: EngineCore) -> list[list[int]]:
-        reqs = [GenerateRequest(list(p), params) for p in prompts]
-        for r in reqs:
-            core.add_request(r)
-        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        while core.has_work:
-            for out in core.step():
-                got[out.request_id].extend(out.token_ids)
-        return [got[r.request_id] for r in reqs]
+        return _side_by_side(core, prompts, params)
 
     plain = run(converted.core(DATA, "qwen35", device=device))
     core = converted.core(DATA, "qwen35", device=device, speculative={"type": "draft-mtp"})
@@ -680,14 +671,7 @@ def test_speculation_through_the_verify_graphs_static_batch_changes_no_output(co
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
     def run(core: EngineCore) -> list[list[int]]:
-        reqs = [GenerateRequest(list(p), params) for p in prompts]
-        for r in reqs:
-            core.add_request(r)
-        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        while core.has_work:
-            for out in core.step():
-                got[out.request_id].extend(out.token_ids)
-        return [got[r.request_id] for r in reqs]
+        return _side_by_side(core, prompts, params)
 
     plain = run(converted.core(DATA, "qwen35"))
     core = converted.core(DATA, "qwen35", speculative=spec, scheduler={"max_num_seqs": 2})
@@ -723,14 +707,7 @@ def test_draft_mtp_under_tensor_parallelism_runs_the_block_on_every_lane(convert
             propose = core.spec.proposer.propose
             core.spec.proposer.propose = lambda reqs, ks: guesses.append(propose(reqs, ks)) or guesses[-1]
         try:
-            reqs = [GenerateRequest(list(p), params) for p in prompts]
-            for r in reqs:
-                core.add_request(r)
-            got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-            while core.has_work:
-                for out in core.step():
-                    got[out.request_id].extend(out.token_ids)
-            return [got[r.request_id] for r in reqs], guesses
+            return _side_by_side(core, prompts, params), guesses
         finally:
             core.close()
 
