@@ -106,18 +106,18 @@ def torch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """cached_attention in torch, one sequence at a time: the CPU path."""
+    """cached_attention in torch, one sequence at a time: the CPU path. The cache is written and read through
+    index_copy_ / index_select: on a decode step's few rows half the time of the same through indexing."""
     out = torch.empty_like(q)
     kc, vc = cache.k[layer], cache.v[layer]
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        end = s.start + s.n
-        new = s.slots[s.start : end]
-        kc[new] = k[rows].to(kc.dtype)
-        vc[new] = v[rows].to(vc.dtype)
+        new = s.slots[s.start : s.start + s.n]
+        kc.index_copy_(0, new, k[rows].to(kc.dtype))
+        vc.index_copy_(0, new, v[rows].to(vc.dtype))
         qs = q[rows].transpose(0, 1)  # [H, n, D]
-        ks = kc[s.slots].to(q.dtype).transpose(0, 1)  # [KV, L, D], in q's type whatever the cache keeps
-        vs = vc[s.slots].to(q.dtype).transpose(0, 1)
+        ks = kc.index_select(0, s.slots).to(q.dtype).transpose(0, 1)  # [KV, L, D] in q's type, whatever the cache's
+        vs = vc.index_select(0, s.slots).to(q.dtype).transpose(0, 1)
         # every row as a decode step computes it, over its own keys (the last `window` of them): a row's attention
         # does not depend on how its prompt was chunked or what shared its step (with the int4 products, which
         # measured batch-invariant too, speculation stays token for token exact; docs/ARCHITECTURE.md)
