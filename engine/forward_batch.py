@@ -46,6 +46,9 @@ class StepPlan:
     # its backup advanced by its first m rows of the last verify step (slot, m)
     snapshot: tuple[int, ...] = ()
     rollback: tuple[tuple[int, int], ...] = ()
+    # one distinct key per sequence, its block table's serial, where the plan goes to other ranks as changes
+    # to the last keyed plan (distributed/plan_codec.py); empty: sent whole
+    keys: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True)

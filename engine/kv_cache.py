@@ -26,6 +26,7 @@ N^2 / 2^129 for N blocks ever cached, and not constructible without breaking bla
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -182,11 +183,15 @@ class BlockPool:
                 self._cached[digest] = block.block_id
 
 
+_TABLE_SERIALS = itertools.count()
+
+
 class BlockTable:
     """One request's blocks, in token order: position p lives in block_ids[p // block_size]."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
+        self.serial = next(_TABLE_SERIALS)  # names this table (its step plans' key: distributed/plan_codec.py)
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chain hashes of the leading full, computed blocks (pool-filled)
         self.num_slots = 0  # token positions that have a slot

@@ -6,7 +6,7 @@ make goes through a `Communicator`.
                         gloo on CPU, for tensors; beside them
                         - the step plans: through a ring in host shared memory (plan_ring.py) where every
                           rank runs on one host, else over a gloo group of their own (a GPU collective
-                          never waits on pickling);
+                          never waits on pickling); a keyed plan as its changes (plan_codec.py);
                         - the AllReduce: the custom peer-write kernels (custom_allreduce.py) for messages
                           the policy gives them (allreduce_policy.py), where they were asked for and every
                           rank opened its peers' buffers; NCCL / RCCL / gloo otherwise.
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from vegaserve.engine.distributed.allreduce_policy import (AllReduceSwitches, agree, choose, fallback_warning,
                                                            refusal)
+from vegaserve.engine.distributed.plan_codec import PlanDecoder, PlanEncoder
 from vegaserve.engine.distributed.plan_ring import PlanRing
 from vegaserve.engine.distributed.topology import Topology
 
@@ -147,6 +148,8 @@ class TorchCommunicator(Communicator):
                 self.tp_group = group
         self.switches = allreduce
         self.ring = self._open_plan_ring()
+        # plans go out as changes to the last one (plan_codec.py): rank 0 encodes, the others decode
+        self.plans = PlanEncoder() if rank == 0 else PlanDecoder()
         self.custom = self._open_custom_allreduce() if allreduce.custom else None
         log.debug("rank %d of %d up (%s, stage %d lane %d)", rank, topo.world_size, backend, self.stage, self.lane)
 
@@ -249,14 +252,18 @@ class TorchCommunicator(Communicator):
         return self._recv(shape, dtype, device, self.topo.rank_of(self.topo.pp - 1, 0), group=self.results)
 
     def broadcast_plan(self, plan: object | None = None) -> object:
+        if self.rank == 0:
+            wire = self.plans.encode(plan)
+            if self.ring is not None:
+                self.ring.put(wire)
+            else:
+                dist.broadcast_object_list([wire], src=0, group=self.control)
+            return plan
         if self.ring is not None:
-            if self.rank == 0:
-                self.ring.put(plan)
-                return plan
-            return self.ring.get()
-        box = [plan]
+            return self.plans.decode(self.ring.get())
+        box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        return self.plans.decode(box[0])
 
     def broadcast_rows(self, t: torch.Tensor) -> torch.Tensor:
         w = self._wire(t)

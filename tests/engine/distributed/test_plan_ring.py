@@ -1,7 +1,7 @@
 """The step plans' shared-memory ring (engine/distributed/plan_ring.py) with real reader processes: every
 plan reaches every reader in order, plans larger than a slot or than the whole ring arrive whole, an idle
-reader sleeps rather than spins, a dead writer or reader is noticed instead of waited on forever, and no
-shared-memory name is left behind."""
+reader sleeps rather than spins while one between steady plans spins through the gaps, a dead writer or
+reader is noticed instead of waited on forever, and no shared-memory name is left behind."""
 
 from __future__ import annotations
 
@@ -141,6 +141,46 @@ def test_an_idle_reader_sleeps_and_wakes_for_the_next_plan(monkeypatch) -> None:
     assert [g[0] for g in got] == ["late plan"] * 2
     assert max(g[1] for g in got) < 0.2, f"a waiting reader burnt {max(g[1] for g in got):.2f} s of CPU in 1 s"
     assert woke < 0.5
+
+
+def _sleep_counting_reader(name: str, reader: int, out) -> None:
+    """Reads until None: (plans read, how many waits ended on the futex rather than spinning)."""
+    ring = PlanRing.attach(name, reader)
+    sleeps = 0
+    wait = plan_ring._futex.wait
+
+    def counted(*args):
+        nonlocal sleeps
+        sleeps += 1
+        return wait(*args)
+
+    plan_ring._futex.wait = counted
+    n = 0
+    while ring.get() is not None:
+        n += 1
+    out.send((n, sleeps))
+    ring.close()
+
+
+def test_a_reader_spins_through_the_gaps_between_steady_plans() -> None:
+    """Plans 1 ms apart (a step's time): after the first, the reader spins for twice the last gap and sees
+    each plan as it lands; with the 50 us spin alone every one of them would find it asleep."""
+    ring, procs, outs = _open(1, _sleep_counting_reader)
+    if not ring.spin:
+        ring.close()
+        pytest.skip("one core: readers do not spin")
+    _wait_attached(ring)
+    for i in range(200):
+        ring.put(i)
+        pause = time.perf_counter() + 1e-3
+        while time.perf_counter() < pause:
+            pass
+    ring.put(None)
+    n, sleeps = _recv(outs[0])
+    procs[0].join(timeout=30)
+    ring.close()
+    assert n == 200
+    assert sleeps < 100, f"the reader slept through {sleeps} of 200 plans 1 ms apart"
 
 
 def _writer_that_dies(name_out, n_readers: int) -> None:
