@@ -41,10 +41,10 @@ def core(data: Path, name: str, variant: str = "f32", device: str = "cpu", **sec
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
-def gpu_core(data: Path, name: str, scratch: str, tmp: Path) -> EngineCore:
+def gpu_core(data: Path, name: str, scratch: str, tmp: Path, **sections) -> EngineCore:
     """`{name}-f32.gguf` on CUDA with an f32 KV cache: 4 sequences of 256 tokens, the prompt GEMMs' scratch in
     `scratch` ("bfloat16": the shipped tuning file as it is; "float32": the same file with an f32 scratch, so that
-    only the kernels' own arithmetic differs from transformers')."""
+    only the kernels' own arithmetic differs from transformers'); `sections` as core's."""
     from vegaserve.triton_kernels.tuning import load_tuning
 
     shipped = load_tuning()
@@ -54,7 +54,18 @@ def gpu_core(data: Path, name: str, scratch: str, tmp: Path) -> EngineCore:
     tuning.write_text(json.dumps(table))
     cfg = {"model": {"path": str(data / f"{name}-f32.gguf")}, "cache": {"context_size": 256, "kv_dtype": "float32"},
            "scheduler": {"max_num_seqs": 4}, "device": "cuda", "kernels": {"tuning_file": str(tuning)}}
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
+
+
+def exact_core(data: Path, name: str, device: str, tmp: Path, **sections) -> EngineCore:
+    """The engine the exactness tests compare plain and speculative decoding on: core's f32 path on the CPU;
+    on CUDA gpu_core with an f32 scratch, where a verify row and a decode row differ only in the kernels' f32
+    sums (their greedy tokens compared as far as the margins allow: GPU_TOLERANCES["float32"])."""
+    if device == "cuda":
+        return gpu_core(data, name, "float32", tmp, **sections)
+    return core(data, name, device=device, **sections)
 
 
 # The GPU path against transformers, per prompt-GEMM scratch type: (bound on every row's top-8 and the last row's

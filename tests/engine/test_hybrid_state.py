@@ -27,15 +27,21 @@ from vegaserve.engine.state_pool import StatePool
 DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid"
 
 
-def _side_by_side(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Each prompt's generated tokens, the requests added together and stepped until all are done."""
+def _side_by_side(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
+                  margins: list[list[float]] | None = None) -> list[list[int]]:
+    """Each prompt's generated tokens, the requests added together and stepped until all are done; with
+    `margins` (params asking 2 logprobs), each token's top-1/top-2 logprob margin appended per prompt."""
     reqs = [GenerateRequest(list(p), params) for p in prompts]
     for r in reqs:
         core.add_request(r)
     got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    gaps: dict[str, list[float]] = {r.request_id: [] for r in reqs}
     while core.has_work:
         for out in core.step():
             got[out.request_id].extend(out.token_ids)
+            gaps[out.request_id].extend(lp.top[0][1] - lp.top[1][1] for lp in out.logprobs or ())
+    if margins is not None:
+        margins.extend(gaps[r.request_id] for r in reqs)
     return [got[r.request_id] for r in reqs]
 
 
@@ -287,7 +293,8 @@ _ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), re
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_ON_GPU)])
 @pytest.mark.parametrize("name", ["qwen35", "qwen35moe", "qwen3next"])
-def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept_guesses(converted, name, device):
+def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept_guesses(converted, name, device,
+                                                                                         tmp_path):
     """Greedy, three requests side by side with up to 4 guesses a step from a proposer whose first wrong guess
     moves through every position: the outputs equal plain decoding's token for token, each rejected guess
     taken out of the recurrent state (rolled back to the kept rows from its backup and the rows' inputs), and
@@ -297,13 +304,19 @@ def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (7, 30, 12)]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
 
-    def run(core: EngineCore) -> list[list[int]]:
-        return _side_by_side(core, prompts, params)
+    def run(core: EngineCore, margins: list[list[float]] | None = None) -> list[list[int]]:
+        return _side_by_side(core, prompts, params, margins)
 
-    plain = run(converted.core(DATA, name, device=device))
-    core = converted.core(DATA, name, device=device, speculative={"type": "ngram", "draft_max": 4})
+    margins: list[list[float]] = []
+    plain = run(converted.exact_core(DATA, name, device, tmp_path), margins)
+    # on a GPU a verify row and a decode row take different kernels, whose f32 sums differ in the last bits:
+    # tokens are compared as far as plain decoding's top-1/top-2 margin stays over the f32 bound of the GPU
+    # tests against transformers (converted_models.GPU_TOLERANCES); on the CPU, all
+    close = converted.GPU_TOLERANCES["float32"][2] if device == "cuda" else -1.0
+    clear = [next((j for j, m in enumerate(row) if m <= close), len(row)) for row in margins]
+    core = converted.exact_core(DATA, name, device, tmp_path, speculative={"type": "ngram", "draft_max": 4})
     core.spec.proposer = _Oracle({tuple(p): t for p, t in zip(prompts, plain, strict=True)}, core.arch.vocab_size)
     kept: list[int] = []
     roll_back = delta_net.RecurrentState.roll_back
@@ -315,9 +328,11 @@ def test_speculative_decoding_on_a_hybrid_model_rolls_the_state_back_to_the_kept
     delta_net.RecurrentState.roll_back = spy
     try:
         got = run(core)
+        print(f"{name} on {device}: tokens compared {clear} of {[len(b) for b in plain]}")
         for i, (a, b) in enumerate(zip(got, plain, strict=True)):
-            at = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            at = next((j for j, (x, y) in enumerate(zip(a[: clear[i]], b, strict=False)) if x != y), None)
             assert at is None, f"request {i} parts from plain decoding at token {at}: {a[at:]} against {b[at:]}"
+        assert sum(clear) >= 20, f"plain decoding's margins leave {clear} tokens to compare"
     finally:
         delta_net.RecurrentState.roll_back = roll_back
     st = core.stats()
@@ -494,20 +509,22 @@ def test_the_roll_back_kernel_path_equals_the_torch_path():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_ON_GPU)])
-def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(converted, device):
+def test_draft_mtp_drafts_with_the_models_mtp_block_and_changes_no_output(converted, device, tmp_path):
     """qwen35's tiny file ends with an MTP block: greedy output with draft-mtp (2 guesses a step) equals
-    plain decoding's token for token, with guesses made and verified (random weights: few kept), and every
-    state slot and KV block given back."""
+    plain decoding's token for token (on a GPU as far as the margins allow, as the test above), with guesses
+    made and verified (random weights: few kept), and every state slot and KV block given back."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (9, 40, 3)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-    def run(core: EngineCore) -> list[list[int]]:
-        return _side_by_side(core, prompts, params)
-
-    plain = run(converted.core(DATA, "qwen35", device=device))
-    core = converted.core(DATA, "qwen35", device=device, speculative={"type": "draft-mtp"})
-    assert run(core) == plain
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    margins: list[list[float]] = []
+    plain = _side_by_side(converted.exact_core(DATA, "qwen35", device, tmp_path), prompts, params, margins)
+    close = converted.GPU_TOLERANCES["float32"][2] if device == "cuda" else -1.0
+    clear = [next((j for j, m in enumerate(row) if m <= close), len(row)) for row in margins]
+    core = converted.exact_core(DATA, "qwen35", device, tmp_path, speculative={"type": "draft-mtp"})
+    got = _side_by_side(core, prompts, params)
+    print(f"draft-mtp on {device}: tokens compared {clear} of {[len(b) for b in plain]}")
+    assert [a[:n] for a, n in zip(got, clear, strict=True)] == [b[:n] for b, n in zip(plain, clear, strict=True)]
+    assert sum(clear) >= 16
     st = core.stats()
     assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > st.spec_num_drafts  # chains of 2 guesses
     assert core.states.num_free == 4 and core.pool.num_referenced == 0

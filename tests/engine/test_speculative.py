@@ -408,14 +408,16 @@ def test_the_draft_model_stops_below_p_min_and_drops_a_draft_with_non_finite_log
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="verify graphs are captured on a GPU only")
-def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu():
-    """One stream, ngram with 4 guesses: every verify step (5 rows at most, the mat-vec path either way)
-    replayed from the verify graphs gives the same greedy tokens as the same engine verifying eagerly, and
-    the graphs were replayed."""
+def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu(gguf_factory, tmp_path):
+    """One stream on a tiny random model, 4 guesses a step from a proposer that knows the plain run's tokens
+    and gets one of them wrong at a position moving from step to step (a random model's output gives n-grams
+    nothing to find): every verify step (5 rows at most, the mat-vec path either way) replayed from the verify
+    graphs gives the same greedy tokens as the same engine verifying eagerly, and the graphs were replayed."""
     from vegaserve.engine.engine_core import EngineCore
 
-    cfg = {"cache": {"context_size": 512}, "scheduler": {"max_num_seqs": 1}, "device": "cuda",
-           "speculative": {"type": "ngram", "draft_max": 4}}
+    path = gguf_factory.write_tiny_gguf(tmp_path / "tiny.gguf", gguf_factory.TinySpec())
+    cfg = {"model": {"path": str(path)}, "cache": {"context_size": 512}, "scheduler": {"max_num_seqs": 1},
+           "device": "cuda", "speculative": {"type": "ngram", "draft_max": 4}}
     core = EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
     worker = core.runner.executor.worker
     graphs = worker.verify_graphs
@@ -424,9 +426,8 @@ def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu():
     run = graphs.run
     graphs.run = lambda *a, **kw: replays.append(1) or run(*a, **kw)
 
-    def greedy(text: str) -> list[int]:
-        ids = core.tokenizer.encode(core.chat_template.render([{"role": "user", "content": text}]))
-        r = GenerateRequest(ids, SamplingParams(max_tokens=40, temperature=0))
+    def greedy(ids: list[int]) -> list[int]:
+        r = GenerateRequest(ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
         core.add_request(r)
         out = []
         while core.has_work:
@@ -434,10 +435,36 @@ def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu():
                 out.extend(o.token_ids)
         return out
 
-    texts = [t for t, _, _ in _PROMPTS[:5]]
-    replayed = [greedy(t) for t in texts]
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, core.arch.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 8, 13, 4)]
+    plain: dict[tuple[int, ...], list[int]] = {}
+    vocab = core.arch.vocab_size
+
+    class Oracle:
+        turn = 0
+
+        def propose(self, reqs, ks):
+            out = []
+            for r, k in zip(reqs, ks, strict=True):
+                truth = plain.get(tuple(r.prompt_ids), [])[len(r.output_ids) : len(r.output_ids) + k]
+                Oracle.turn += 1
+                out.append([(t + 1) % vocab if j == Oracle.turn % (k + 1) else t for j, t in enumerate(truth)])
+            return out
+
+        def forget(self, request_id):
+            pass
+
+        def close(self):
+            pass
+
+    proposer, core.spec.proposer = core.spec.proposer, Oracle()
+    plain.update({tuple(p): greedy(p) for p in prompts})  # no guesses while plain is empty
+    assert core.stats().spec_num_drafts == 0
+    replayed = [greedy(p) for p in prompts]
     assert replays and core.stats().spec_num_accepted_tokens > 0
     worker.verify_graphs = None
-    assert [greedy(t) for t in texts] == replayed
+    Oracle.turn = 0
+    assert [greedy(p) for p in prompts] == replayed
+    proposer.close()
     assert core.pool.num_referenced == 0
     core.close()
