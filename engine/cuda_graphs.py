@@ -267,6 +267,7 @@ class DecodeGraphs:
                 k = n if every else 1
                 out_rows[wanted : wanted + k] = range(r0 + n - k, r0 + n)
                 wanted += k
+            out_rows[wanted:] = 0  # the graph gathers the whole bucket's entries: the unused ones a row it has
         self._pad(S, B)
         # the vectors whole, then the bucket's rows of the tables
         n = self.at["tables"] + b * self.max_blocks

@@ -133,6 +133,40 @@ def test_static_verify_batch_equals_the_eager_step(core: EngineCore, case) -> No
             core.pool.free(b)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton attention "
+                    "kernels, which only the interpreter takes; on a GPU the replay tests cover it")
+def test_a_smaller_verify_step_after_a_larger_gathers_only_its_own_rows(core: EngineCore) -> None:
+    """A step of 4 sequences wanting 10 logits rows, then one of a sequence wanting its last row: the graph
+    gathers logits rows over its whole bucket, so the second step's unused entries must name rows of its
+    own bucket (left from the first step they named rows 5-8, past the 5 rows it has: an out-of-range
+    gather, a device-side assert on a GPU), and its logits equal the eager step's."""
+    R = 5
+    worker = core.runner.executor.worker
+    gen = torch.Generator().manual_seed(4)
+    vocab = core.arch.vocab_size
+    lengths, counts = [3, 16, 1, 12], [2, 4, 5, 1]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + c + 2) // BLOCK)) for n, c in zip(lengths, counts, strict=True)]
+    try:
+        worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 4, BLOCK))
+        cache = worker.cache
+        spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                        cache.k.device, spare=BLOCK)
+        spare.k[:, : cache.num_slots], spare.v[:, : cache.num_slots] = cache.k, cache.v
+        graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, BLOCK, torch.device("cpu"), rows=R)
+        nxt = [torch.randint(0, vocab, (c,), generator=gen).tolist() for c in counts]
+        first = StepPlan([(b, n, t) for b, n, t in zip(blocks, lengths, nxt, strict=True)], [True, True, False, False],
+                         BLOCK)
+        assert graphs.run(first.seqs, all_logits=first.all_logits).shape == (2 + 4 + 1 + 1, vocab)
+        worker.run(first)  # the same keys in the worker's own cache
+        second = StepPlan([(blocks[1], lengths[1] + counts[1], [7, 8])], [False], BLOCK)
+        static = graphs.run(second.seqs, all_logits=second.all_logits).clone()
+        assert rel(static, worker.run(second)) < 1e-4
+    finally:
+        for b in blocks:
+            core.pool.free(b)
+
+
 def test_verify_graphs_fit_up_to_r_tokens_and_stop_at_max_rows(core: EngineCore) -> None:
     worker = core.runner.executor.worker
     cache = KVCache(2, 64, 2, 64, torch.float32, torch.device("cpu"), spare=BLOCK)
