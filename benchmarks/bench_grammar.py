@@ -14,10 +14,11 @@ batched or parallel call where it has one) and advances every stream by one toke
 `--engine` measures what the engine pays instead: the decode step of 64 streams of the embedded model (or
 `-m FILE`), all guided by a JSON schema, against the same 64 unguided, on this machine's device: the median
 step while all 64 decode, each mode's runs interleaved, and the median time of the parts the guided rows add
-to (the sampler's draw, which waits for and applies the masks, and the output processor, where the matchers
-take the tokens), which a shared machine does not blur as it does whole steps.
+to (the wait for the masks; the sampler's draw, which applies them, and the output processor, where the
+matchers take the tokens), which a shared machine does not blur as it does whole steps. `--mask-threads 1,8`
+runs the guided mode once per count of threads filling the masks.
 
-    python benchmarks/bench_grammar.py --engine --streams 64 --steps 24
+    python benchmarks/bench_grammar.py --engine --streams 64 --steps 24 [--mask-threads 1,8]
 
 Prints a table and one JSON line. The libraries are not project dependencies except the one chosen
 (docs/ARCHITECTURE.md, Structured output); install the others to compare.
@@ -272,8 +273,10 @@ LONG_SCHEMA = {  # keeps a stream decoding for as many steps as are measured
 }
 
 
-def engine_steps(model: str | None, streams: int, steps: int, rounds: int) -> dict:
-    """Median decode step (ms) of `streams` guided and of `streams` unguided requests."""
+def engine_steps(model: str | None, streams: int, steps: int, rounds: int, mask_threads: list[int] | None = None) -> dict:
+    """Median decode step (ms) of `streams` unguided requests and of `streams` guided ones, the guided ones once
+    per count of mask-filling threads (default: the engine's own, grammar.mask_threads)."""
+    from vegaserve.engine import grammar
     from vegaserve.engine.config import EngineConfig
     from vegaserve.engine.engine_core import EngineCore
     from vegaserve.engine.request import GenerateRequest, GuideSpec, SamplingParams
@@ -286,58 +289,68 @@ def engine_steps(model: str | None, streams: int, steps: int, rounds: int) -> di
     subjects = ["Paris", "the sea", "a cat", "winter", "trains", "bread", "rain", "music"]
     spec = GuideSpec.json_schema(LONG_SCHEMA)
     core.grammars.compile(spec)
+    masks = core.runner.masks
+    counts = mask_threads or [masks.threads]
 
-    # the work guided rows add sits in the sampler's draw (waiting for the masks, applying them) and in the
+    # the work guided rows add sits in the wait for the masks, the sampler's draw (applying them) and the
     # output processor (the matchers taking each token): timed per step apart from the step, whose wall time
     # on a shared CPU moves by tens of percent between runs
-    spent = [0.0]
+    spent, waited = [0.0], [0.0]
 
-    def clocked(fn):
+    def clocked(fn, into):
         def run(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent[0] += time.perf_counter() - t
+                into[0] += time.perf_counter() - t
         return run
 
-    core.runner.sampler.draw = clocked(core.runner.sampler.draw)
-    core.outputs.on_tokens = clocked(core.outputs.on_tokens)
+    core.runner.sampler.draw = clocked(core.runner.sampler.draw, spent)
+    core.outputs.on_tokens = clocked(core.outputs.on_tokens, spent)
+    grammar.PendingMasks.wait = clocked(grammar.PendingMasks.wait, waited)
 
-    def run(guided: bool) -> list[float]:
+    def run(guided: bool) -> tuple[list[float], list[float], list[float]]:
         for i in range(streams):
             text = f"<|im_start|>user\nWrite a long report on {subjects[i % len(subjects)]} as JSON.<|im_end|>\n<|im_start|>assistant\n"
             ids = tok.encode(text, add_special_tokens=False)
             params = SamplingParams(max_tokens=steps + 8, temperature=0.7, seed=i, ignore_eos=True,
                                     guide=spec if guided else None)
             core.add_request(GenerateRequest(ids, params))
-        times, tails = [], []
+        times, tails, waits = [], [], []
         while core.has_work:
             decoding = len(core.scheduler.running) == streams and all(r.num_pending == 1 for r in core.scheduler.running)
             t = time.perf_counter()
-            spent[0] = 0.0
+            spent[0] = waited[0] = 0.0
             core.step()
             if decoding:
                 times.append(time.perf_counter() - t)
                 tails.append(spent[0])
-        return times[2:steps], tails[2:steps]  # the first steps after the prompts warm caches
+                waits.append(waited[0])
+        return times[2:steps], tails[2:steps], waits[2:steps]  # the first steps after the prompts warm caches
 
-    wall: dict[bool, list[float]] = {False: [], True: []}
-    tail: dict[bool, list[float]] = {False: [], True: []}
+    modes = [0] + counts  # 0: unguided; n: guided, masks filled on n threads
+    wall: dict[int, list[float]] = {m: [] for m in modes}
+    tail: dict[int, list[float]] = {m: [] for m in modes}
+    wait: dict[int, list[float]] = {m: [] for m in modes}
     for _ in range(rounds):
-        for guided in (False, True):
-            w, s = run(guided)
-            wall[guided] += w
-            tail[guided] += s
-        print(f"so far: unguided {statistics.median(wall[False]) * 1e3:.1f} ms, guided "
-              f"{statistics.median(wall[True]) * 1e3:.1f} ms", file=sys.stderr)
-    p, g = statistics.median(wall[False]), statistics.median(wall[True])
-    ps, gs = statistics.median(tail[False]), statistics.median(tail[True])
-    return {"device": str(core.device), "streams": streams, "steps": len(wall[False]),
-            "plain_step_ms": round(p * 1e3, 2), "guided_step_ms": round(g * 1e3, 2),
-            "overhead_pct": round((g / p - 1) * 100, 1),
-            "plain_sample_ms": round(ps * 1e3, 2), "guided_sample_ms": round(gs * 1e3, 2),
-            "added_pct": round((gs - ps) / p * 100, 1)}
+        for m in modes:
+            if m:
+                masks.threads, masks._batch = m, None  # xgrammar's pool is made with its thread count
+            w, s, q = run(bool(m))
+            wall[m] += w
+            tail[m] += s
+            wait[m] += q
+        print("so far: " + ", ".join(f"{'guided on ' + str(m) + ' threads' if m else 'unguided'} "
+                                     f"{statistics.median(wall[m]) * 1e3:.1f} ms" for m in modes), file=sys.stderr)
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    p = med(wall[0])
+    return {"device": str(core.device), "streams": streams, "steps": len(wall[0]), "plain_step_ms": round(p, 2),
+            "plain_sample_ms": round(med(tail[0]), 2),
+            "guided": [{"mask_threads": m, "step_ms": round(med(wall[m]), 2),
+                        "overhead_pct": round((med(wall[m]) / p - 1) * 100, 1),
+                        "sample_ms": round(med(tail[m]), 2), "mask_wait_ms": round(med(wait[m]), 3)}
+                       for m in counts]}
 
 
 def main() -> None:
@@ -350,13 +363,18 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="the engine's decode step, guided against unguided")
     ap.add_argument("-m", "--model", default=None, help="--engine: a GGUF (default: the embedded model)")
     ap.add_argument("--rounds", type=int, default=2, help="--engine: runs of each mode, interleaved")
+    ap.add_argument("--mask-threads", default=None,
+                    help="--engine: guided runs with these counts of mask-filling threads, e.g. 1,8 (default: the "
+                         "engine's own)")
     args = ap.parse_args()
     if args.engine:
-        r = engine_steps(args.model, args.streams, args.steps, args.rounds)
+        counts = [int(n) for n in args.mask_threads.split(",")] if args.mask_threads else None
+        r = engine_steps(args.model, args.streams, args.steps, args.rounds, counts)
         print(f"{r['streams']} streams on {r['device']}, medians of {r['steps']} decode steps: unguided "
-              f"{r['plain_step_ms']} ms, guided {r['guided_step_ms']} ms ({r['overhead_pct']:+.1f}%); sampling and "
-              f"output processing {r['plain_sample_ms']} ms and {r['guided_sample_ms']} ms a step: the guided rows "
-              f"add {r['added_pct']:+.1f}% of the unguided step")
+              f"{r['plain_step_ms']} ms (sampling and output processing {r['plain_sample_ms']} ms)")
+        for g in r["guided"]:
+            print(f"  guided, masks on {g['mask_threads']} threads: {g['step_ms']} ms ({g['overhead_pct']:+.1f}%); "
+                  f"waiting for the masks {g['mask_wait_ms']} ms, sampling and output processing {g['sample_ms']} ms")
         print(json.dumps(r))
         return
     tok = train_vocab(args.vocab_cache)

@@ -23,7 +23,7 @@ from vegaserve.engine.env import torchrun_rank
 from vegaserve.engine.executor import start_executor
 from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.gguf_file import GGUFFile, default_model_path
-from vegaserve.engine.grammar import Grammars, MaskFiller
+from vegaserve.engine.grammar import Grammars, MaskFiller, mask_threads
 from vegaserve.engine.launch import engine_shape, pick_device, plan_launch
 from vegaserve.engine.model_runner import ModelRunner, StepInFlight, StepOutput
 from vegaserve.engine.models.arch_config import arch_config_from_gguf
@@ -64,7 +64,8 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, bs)
         # constrained decoding: grammars compiled for this tokenizer (the server compiles on its threads too)
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size)
-        self.runner = ModelRunner(self.executor, bs, MaskFiller(self.grammars.vocab_size))
+        masks = MaskFiller(self.grammars.vocab_size, mask_threads(self.device))
+        self.runner = ModelRunner(self.executor, bs, masks)
         # hybrid models: a recurrent-state slot per running sequence (the workers hold n_seqs of them)
         self.states = StatePool(n_seqs) if self.arch.hybrid is not None else None
         self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)

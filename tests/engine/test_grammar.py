@@ -129,3 +129,12 @@ def test_unconstrained_batch_is_sampled_as_without_masks():
 def test_compiled_grammars_are_cached_per_spec(grammars):
     spec = GuideSpec.json_schema({"type": "integer"})
     assert grammars.compile(spec) is grammars.compile(GuideSpec.json_schema({"type": "integer"}))
+
+
+def test_masks_fill_on_one_thread_on_a_cpu_and_half_the_cores_up_to_8_beside_a_gpu(monkeypatch):
+    from vegaserve.engine import grammar
+
+    for cores, want in ((None, 1), (2, 1), (6, 3), (16, 8), (128, 8)):
+        monkeypatch.setattr(grammar.os, "cpu_count", lambda c=cores: c)
+        assert grammar.mask_threads(torch.device("cuda")) == want, cores
+        assert grammar.mask_threads(torch.device("cpu")) == 1
