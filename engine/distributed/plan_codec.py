@@ -2,8 +2,8 @@
 seen, not its whole list again.
 
 A decode step's plan names every running sequence's blocks: 64 sequences at 2k tokens are 8,192 block ids
-every step, whose pickling and unpickling took 90 and 155 us (bench_plan_ring.py), for a list that grows by
-one block every 16 tokens. Where a StepPlan carries `keys`, one per sequence and naming its block table
+every step, whose pickling and unpickling took 90 and 155 us on a 2-core VM, for lists that grow by one
+block every 16 tokens. Where a StepPlan carries `keys`, one per sequence and naming its block table
 (kv_cache.BlockTable.serial: a new one at every admission), the sender replaces each block list by (how many
 blocks of that key's list in the last keyed plan stay, the blocks after them); every receiver rebuilds the
 lists from its copy of the last keyed plan. A block table only grows or gives back its tail (speculative

@@ -16,13 +16,13 @@ and never overwritten unread. Fences between the payload and the counters keep t
 ordered CPUs (aarch64); x86 keeps stores in order by itself.
 
 A reader waits by spinning where every end of the ring has a core of its own (with fewer cores the spinning
-would only delay the others): for twice the last wait between two plans, from 50 us to 20 ms, so that while
-steps follow each other the next plan is seen as it lands (bench_plan_ring.py, 16 sequences 1 ms apart on a
-2-core VM: 89-93 us median from encoding to decoded, against 184-201 us when the reader sleeps after 50 us);
-then it sleeps on a futex on the slot's seq word, which the writer wakes when the reader's record says it
-sleeps (a store then a fence on each side, so that either the reader sees the seq or the writer sees the
-flag): an idle server costs no CPU after its last 20 ms, and a host with fewer cores than ranks still hands
-a plan over. The writer waits (a full ring) by sleeping in growing steps. Every waiter checks now and then
+would only delay the others): for twice the last interval between two plans, from 50 us to 20 ms, so that
+while steps follow each other the next plan is seen as it lands (bench_plan_ring.py, 16 sequences 1 ms apart
+on a 2-core VM: 89-93 us median from encoding to decoded, against 184-201 us when the reader sleeps after
+50 us); then it sleeps on a futex on the slot's seq word, which the writer wakes when the reader's record
+says it sleeps (a store then a fence on each side, so that either the reader sees the seq or the writer sees
+the flag): an idle server costs no CPU after its last 20 ms, and a host with fewer cores than ranks still
+hands a plan over. The writer waits (a full ring) by sleeping in growing steps. Every waiter checks now and then
 that the process it waits on is alive (its pid) and raises PeerGone rather than wait forever on a dead one.
 """
 
@@ -43,7 +43,7 @@ LINE = 64  # bytes: one cache line per record
 SLOT_HEADER = 16  # seq, message length
 
 SPIN_S = 50e-6  # a reader spins at least this long before it sleeps on the futex (where every end has a core),
-SPIN_MAX_S = 20e-3  # and up to twice the last wait between two plans, at most this long
+SPIN_MAX_S = 20e-3  # and up to twice the last interval between two plans, at most this long
 MAX_SLEEP_S = 1e-3  # the writer's sleeps, on a full ring, grow to this
 CHECK_S = 0.5  # how often a waiter checks that its peer is alive
 
@@ -144,7 +144,7 @@ class PlanRing:
         self.watch = True  # check peers' pids (off where they are not visible: another pid namespace)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.spin = cores > self.n_readers  # every end has a core: a reader spins before it sleeps
-        self.spin_s = SPIN_S if self.spin else 0.0  # how long: twice the last wait, within SPIN_S .. SPIN_MAX_S
+        self.spin_s = SPIN_S if self.spin else 0.0  # how long: twice the last interval, SPIN_S .. SPIN_MAX_S
         self.last_plan = time.perf_counter()
 
     @classmethod
