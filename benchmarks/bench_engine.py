@@ -2,13 +2,14 @@
 
 One EngineCore (no HTTP) on the model; for each mode (decode graphs replayed, then the same engine with
 its graphs set aside, i.e. eager) and each stream count: --runs timed rounds after a warm-up round, every
-stream a random prompt of --prompt tokens and --gen greedy tokens (EOS ignored), all added at once.
+stream a random prompt of --prompt tokens and --gen greedy tokens (EOS ignored; sampled at --temperature with
+a seed a stream where given), all added at once.
 Decode rate = tokens after each stream's first / time from the step where every stream has its first
 token to the end. Also pp (one --pp-token prompt, time to its first token) and, per mode, the decode step
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
 
     python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3] \
-        [--spec-type draft-mtp]
+        [--spec-type draft-mtp] [--temperature 1.0]
 
 Prints a table and one JSON line.
 """
@@ -29,11 +30,14 @@ from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.server.bench_cmd import _timed_request
 
 
-def decode_round(core: EngineCore, streams: int, prompt: int, gen: int, g: torch.Generator) -> float:
-    """Aggregate decode tokens/s of `streams` requests run together."""
+def decode_round(core: EngineCore, streams: int, prompt: int, gen: int, g: torch.Generator,
+                 temperature: float = 0.0) -> float:
+    """Aggregate decode tokens/s of `streams` requests run together (sampled with a seed each where
+    `temperature` > 0, else greedy)."""
     vocab = core.arch.vocab_size
     reqs = [GenerateRequest(torch.randint(0, vocab, (prompt,), generator=g).tolist(),
-                            SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)) for _ in range(streams)]
+                            SamplingParams(max_tokens=gen, temperature=temperature, seed=i if temperature else None,
+                                           ignore_eos=True)) for i in range(streams)]
     for r in reqs:
         core.add_request(r)
     counts = {r.request_id: 0 for r in reqs}
@@ -117,6 +121,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="auto")
     ap.add_argument("--tuning", default=None, help="kernel tuning file (default: configs/kernels/<target>.json)")
     ap.add_argument("--modes", default="graphs,eager", help="which of graphs, eager to time")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="decode rounds sampled at this temperature, a seed a stream (default: greedy)")
     ap.add_argument("--spec-type", default="none",
                     help="speculative decoding while timing (e.g. draft-mtp: on a random model almost no guess is "
                     "kept, so the decode rate against --spec-type none is the speculation's overhead)")
@@ -150,7 +156,8 @@ def main() -> None:
         if mode == "graphs" and graphs is None:
             continue
         for n in streams:
-            rates = [decode_round(core, n, args.prompt, args.gen, g) for _ in range(args.runs + 1)][1:]
+            rates = [decode_round(core, n, args.prompt, args.gen, g, args.temperature)
+                     for _ in range(args.runs + 1)][1:]
             med = statistics.median(rates)
             result[f"tg{args.gen}_{mode}_x{n}"] = med
             _row((f"tg{args.gen} x{n} streams", mode, f"{med:.1f}", " ".join(f"{r:.1f}" for r in rates)))

@@ -165,7 +165,18 @@ def greedy_argmax(logits: Tensor) -> Tensor:
 
 
 def _index(rows: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return _to_device(rows, torch.long, device)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small per-row tensor built on the host (a list, or a host tensor), on `device` without waiting: on a
+    GPU through pinned memory and a non-blocking copy. A plain copy from pageable memory synchronizes the
+    stream: the host would wait for the step's forward before the sampler could queue its work, and async
+    decode could not queue the next step behind it."""
+    t = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def adjust_logits(
@@ -193,22 +204,22 @@ def adjust_logits(
                     ids.append(token)
                     values.append(bias)
         if rows:
-            bias_t = torch.tensor(values, dtype=out.dtype, device=device)
+            bias_t = _to_device(values, out.dtype, device)
             out.index_put_((_index(rows, device), _index(ids, device)), bias_t, accumulate=True)
 
     # Both penalties touch only the tokens that occurred, so they work on (row, id, count) triples rather
     # than on [B, V] masks: a few hundred elements instead of several full passes over the vocabulary.
     if repeated:
         rows_t, ids_t, _ = _occurrences([prompt_ids[i] + output_ids[i] for i in repeated], repeated, vocab, device)
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype, device=device)[rows_t]
+        penalty = _to_device([p.repetition_penalty for p in params], out.dtype, device)[rows_t]
         seen = out[rows_t, ids_t]
         # llama.cpp / HF rule: shrink a seen token's logit toward zero from either side.
         out[rows_t, ids_t] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
     if counted:
         rows_t, ids_t, counts = _occurrences([output_ids[i] for i in counted], counted, vocab, device)
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=out.dtype, device=device)[rows_t]
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=out.dtype, device=device)[rows_t]
+        presence = _to_device([p.presence_penalty for p in params], out.dtype, device)[rows_t]
+        frequency = _to_device([p.frequency_penalty for p in params], out.dtype, device)[rows_t]
         # OpenAI rule, over generated tokens only.
         out[rows_t, ids_t] -= presence + frequency * counts.to(out.dtype)
     return out
@@ -242,7 +253,7 @@ def _sample_rows(logits: Tensor, params: list[SamplingParams], generators: list[
     """Temperature, filters and the draw for rows that are not greedy; returns token ids [n]."""
     n, vocab = logits.shape
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = _to_device([p.temperature for p in params], logits.dtype, device)
     scaled = logits / temperature[:, None]
     uniforms = draw_uniforms(generators, device)
 
@@ -265,7 +276,7 @@ def probabilities(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     candidates: the kept set is the same). Speculative verification weighs guesses with it."""
     n, vocab = logits.shape
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = _to_device([p.temperature for p in params], logits.dtype, device)
     scaled = logits / temperature[:, None]
     probs = torch.softmax(scaled, dim=-1)
     filtered = [i for i, p in enumerate(params) if _has_filter(p, vocab)]
@@ -273,9 +284,9 @@ def probabilities(logits: Tensor, params: list[SamplingParams]) -> Tensor:
         rows = _index(filtered, device)
         sub = scaled[rows]
         fparams = [params[i] for i in filtered]
-        top_k = torch.tensor([_effective_top_k(p, vocab) for p in fparams], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in fparams], dtype=sub.dtype, device=device)
-        min_p = torch.tensor([p.min_p for p in fparams], dtype=sub.dtype, device=device)
+        top_k = _to_device([_effective_top_k(p, vocab) for p in fparams], torch.long, device)
+        top_p = _to_device([p.top_p for p in fparams], sub.dtype, device)
+        min_p = _to_device([p.min_p for p in fparams], sub.dtype, device)
         full_totals = torch.exp(sub - sub.max(dim=-1, keepdim=True).values).cumsum(dim=-1)[:, -1]
         values, ids = sub.sort(dim=-1, descending=True)
         keep = _keep_mask(values, top_k, top_p, min_p, top_k < vocab, full_totals)
@@ -296,12 +307,12 @@ def draw_uniforms(generators: list[torch.Generator | None], device: torch.device
     if len(unseeded) == n:
         return torch.rand(n, device=device)
     if len(on_host) == n:
-        return drawn.to(device)
+        return _to_device(drawn, torch.float32, device)
     values = torch.empty(n, dtype=torch.float32, device=device)
     if unseeded:
         values[_index(unseeded, device)] = torch.rand(len(unseeded), device=device)
     if on_host:
-        values[_index(on_host, device)] = drawn.to(device)
+        values[_index(on_host, device)] = _to_device(drawn, torch.float32, device)
     for i, g in enumerate(generators):
         if g is not None and g.device.type != "cpu":
             values[i] = torch.rand(1, generator=g, device=g.device).to(device)[0]
@@ -313,9 +324,9 @@ def _sample_filtered(scaled: Tensor, params: list[SamplingParams], uniforms: Ten
     n, vocab = scaled.shape
     device = scaled.device
     top_k_list = [_effective_top_k(p, vocab) for p in params]
-    top_k = torch.tensor(top_k_list, dtype=torch.long, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=device)
+    top_k = _to_device(top_k_list, torch.long, device)
+    top_p = _to_device([p.top_p for p in params], scaled.dtype, device)
+    min_p = _to_device([p.min_p for p in params], scaled.dtype, device)
     # Top-k rows are bounded by their k; the others start from a guess and widen up to the full sort.
     bounded_k = [k for k in top_k_list if k < vocab]
     unbounded = len(bounded_k) < n

@@ -374,3 +374,31 @@ def test_draw_uniforms_takes_one_number_from_each_seeded_generator_in_one_copy()
     a = draw_uniforms([None, None], torch.device("cpu"))
     torch.manual_seed(0)
     assert torch.equal(a, torch.rand(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronization is a GPU matter")
+def test_a_sampled_batch_is_queued_without_waiting_for_the_device():
+    """Greedy, temperature, seeded and logit-biased rows side by side: the draw queues its work behind the
+    step's without one synchronizing call (torch's sync debug mode raises on any), so async decode can queue
+    the next step at once; and it draws what the same batch draws on the CPU with the same seeds."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3000) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+              SamplingParams(temperature=0.6, seed=4, logit_bias={17: 5.0}), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.0, logit_bias={2: 100.0})]
+    sampler = Sampler()
+
+    def draw(device: str) -> list[int]:
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        return sampler.draw(logits.to(device), params, [[]] * 5, [[]] * 5, gens)
+
+    want = draw("cpu").tolist()
+    draw("cuda")  # the pinned host blocks the copies come from, allocated once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = draw("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tokens.tolist() == want
