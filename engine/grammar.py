@@ -234,10 +234,12 @@ class PendingMasks:
         return host.to(device, non_blocking=True) if device.type != "cpu" else host
 
 
-def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
     """In place: logits[r, t] = -inf for each r in `rows` where bit t of bitmask[r] is clear, and for every id
     past the mask. xgrammar's kernel: its C++ loop on a CPU (3-5x faster than unpacking the bits in torch ops
-    there), its Triton kernel on a GPU; on the logits' device either way."""
+    there), its Triton kernel on a GPU; on the logits' device either way. `rows` on a GPU: an int32 tensor
+    there (sampling.py makes it without waiting), which xgrammar takes as it is; from a list it would copy
+    them from pageable memory, which waits for the device."""
     import xgrammar as xgr
 
     vocab = logits.shape[1]

@@ -96,7 +96,7 @@ class Sampler:
         if masks is not None and masks.rows:
             if adjusted is logits:
                 adjusted = logits.clone()
-            apply_masks(adjusted, masks.bitmask, masks.rows)
+            apply_masks(adjusted, masks.bitmask, _to_device(masks.rows, torch.int32, logits.device))
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         drawn = [i for i, p in enumerate(params) if not p.greedy]

@@ -379,19 +379,25 @@ def test_draw_uniforms_takes_one_number_from_each_seeded_generator_in_one_copy()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronization is a GPU matter")
 def test_a_sampled_batch_is_queued_without_waiting_for_the_device():
-    """Greedy, temperature, seeded and logit-biased rows side by side: the draw queues its work behind the
-    step's without one synchronizing call (torch's sync debug mode raises on any), so async decode can queue
-    the next step at once; and it draws what the same batch draws on the CPU with the same seeds."""
+    """Greedy, temperature, seeded, logit-biased and grammar-masked rows side by side: the draw queues its
+    work behind the step's without one synchronizing call (torch's sync debug mode raises on any), so async
+    decode can queue the next step at once; and it draws what the same batch draws on the CPU with the same
+    seeds."""
+    from vegaserve.engine.sampling import TokenMasks
+
     torch.manual_seed(0)
     logits = torch.randn(5, 3000) * 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
               SamplingParams(temperature=0.6, seed=4, logit_bias={17: 5.0}), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=0.0, logit_bias={2: 100.0})]
+    bitmask = torch.zeros(5, 3000 // 32 + 1, dtype=torch.int32)
+    bitmask[3, :4] = -1  # row 3 may only take ids 0-127
     sampler = Sampler()
 
     def draw(device: str) -> list[int]:
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-        return sampler.draw(logits.to(device), params, [[]] * 5, [[]] * 5, gens)
+        masks = TokenMasks(bitmask.to(device), [3])
+        return sampler.draw(logits.to(device), params, [[]] * 5, [[]] * 5, gens, masks)
 
     want = draw("cpu").tolist()
     draw("cuda")  # the pinned host blocks the copies come from, allocated once
@@ -401,4 +407,4 @@ def test_a_sampled_batch_is_queued_without_waiting_for_the_device():
         tokens = draw("cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert tokens.tolist() == want
+    assert tokens.tolist() == want and want[3] < 128
