@@ -227,8 +227,9 @@ class LlamaModel(nn.Module):
     def lane_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """This lane's slice of the logits rows [len(batch.logits_rows), its vocabulary share], f32. With
         keep_hidden (an MTP head drafts from them), `hidden` becomes every row's output-normed state."""
-        if self.keep_hidden:
+        if self.keep_hidden:  # every row normed once; the head takes its rows of them (and quantizes them itself)
             self.hidden = self.norm(h)
+            return self.lm_head(self.hidden[batch.logits_rows]).float()
         h = h[batch.logits_rows]
         return self.lm_head(*self.norm.forward_q8_1(h, self.lm_head.wants_q8_1(h.shape[0]))).float()
 
