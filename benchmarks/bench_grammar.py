@@ -273,7 +273,8 @@ LONG_SCHEMA = {  # keeps a stream decoding for as many steps as are measured
 }
 
 
-def engine_steps(model: str | None, streams: int, steps: int, rounds: int, mask_threads: list[int] | None = None) -> dict:
+def engine_steps(model: str | None, streams: int, steps: int, rounds: int,
+                 mask_threads: list[int] | None = None) -> dict:
     """Median decode step (ms) of `streams` unguided requests and of `streams` guided ones, the guided ones once
     per count of mask-filling threads (default: the engine's own, grammar.mask_threads)."""
     from vegaserve.engine import grammar

@@ -75,8 +75,8 @@ class RecurrentState:
 
     def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
         """After a verify step that computed rows past those kept (rejected guesses, a replayed step's
-        padding): each (slot, m) of `keep` goes back to its backup advanced by its first m rows of that step, from the rows' inputs `saved` kept (every
-        layer at once): the conv rows are the last K - 1 of [backup rows; the m rows' inputs], the delta
+        padding): each (slot, m) of `keep` goes back to its backup advanced by its first m rows of that
+        step, from the rows' inputs `saved` kept (every layer at once): the conv rows are the last K - 1 of [backup rows; the m rows' inputs], the delta
         rule's state the recurrence over the m rows from the backup's (as a decode step computes it).
         kernel: through delta_rule_recurrent (None: on a GPU), else the torch reference."""
         slots = [s for s, _ in keep]
@@ -180,7 +180,8 @@ class GatedDeltaNet(nn.Module):
             self.interleaved_ba = True
             self.in_proj = QuantLinear(hidden, [cfg.conv_dim, cfg.value_dim, 2 * hv], self.method)
             r = full.v_heads // full.k_heads
-            mats.append(gather_rows(w.source(prefix + "ssm_ba.weight", (2 * full.v_heads, hidden)), head_ranges(keys, 2 * r)))
+            ba = w.source(prefix + "ssm_ba.weight", (2 * full.v_heads, hidden))
+            mats.append(gather_rows(ba, head_ranges(keys, 2 * r)))
         else:
             mats += [gather_rows(w.source(prefix + f"ssm_{n}.weight", (full.v_heads, hidden)), head_ranges(values, 1))
                      for n in ("beta", "alpha")]
@@ -188,7 +189,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj.load([gather_cols(w.source(prefix + "ssm_out.weight", (hidden, full.value_dim)),
                                         head_ranges(values, D))], w.device)
         rows = torch.cat([torch.arange(a, a + n) for a, n in channels])
-        self.conv_w = w.vector(prefix + "ssm_conv1d.weight", (full.conv_dim, cfg.conv_kernel))[rows.to(w.device)].contiguous()
+        conv_w = w.vector(prefix + "ssm_conv1d.weight", (full.conv_dim, cfg.conv_kernel))
+        self.conv_w = conv_w[rows.to(w.device)].contiguous()
         picked = torch.tensor(values, device=w.device)
         self.ssm_a = w.vector(prefix + "ssm_a", (full.v_heads,))[picked]
         self.dt_bias = w.vector(prefix + "ssm_dt.bias", (full.v_heads,))[picked]
