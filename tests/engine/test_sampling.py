@@ -390,14 +390,18 @@ def test_a_sampled_batch_is_queued_without_waiting_for_the_device():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
               SamplingParams(temperature=0.6, seed=4, logit_bias={17: 5.0}), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=0.0, logit_bias={2: 100.0})]
-    bitmask = torch.zeros(5, 3000 // 32 + 1, dtype=torch.int32)
+    bitmask = torch.zeros(5, 90, dtype=torch.int32)  # 2,880 ids: a vocabulary wider than the mask (padded rows)
     bitmask[3, :4] = -1  # row 3 may only take ids 0-127
     sampler = Sampler()
 
+    # the inputs are where a step has them before the draw: the logits and the mask on the device (the mask's
+    # copy from its pinned buffer is the filler's, grammar.PendingMasks.wait)
+    inputs = {d: (logits.to(d), bitmask.to(d)) for d in ("cpu", "cuda")}
+
     def draw(device: str) -> list[int]:
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-        masks = TokenMasks(bitmask.to(device), [3])
-        return sampler.draw(logits.to(device), params, [[]] * 5, [[]] * 5, gens, masks)
+        device_logits, device_mask = inputs[device]
+        return sampler.draw(device_logits.clone(), params, [[]] * 5, [[]] * 5, gens, TokenMasks(device_mask, [3]))
 
     want = draw("cpu").tolist()
     draw("cuda")  # the pinned host blocks the copies come from, allocated once
