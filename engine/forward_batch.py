@@ -103,6 +103,7 @@ class SeqSlice:
     offset: int  # first row of the sequence in the flat batch
     slots: torch.Tensor  # [start + n] int64: cache slot of every position of the sequence so far
     state_slot: int = -1  # its recurrent-state slot (hybrid models), else -1
+    run: int = -1  # a CPU batch: slots[0] where the slots are one run of consecutive slots, else -1
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,11 @@ class ForwardBatch:
         )
         meta, state_meta, slot_ts = tuple(rest[:4]), tuple(rest[4 : 4 + len(states)]), rest[4 + len(states) :]
         owners = list(state_slots) or [-1] * len(seqs)
-        slices = [SeqSlice(start=a, n=n, offset=o, slots=t, state_slot=k)
-                  for (a, n, o), t, k in zip(spans, slot_ts, owners, strict=True)]
+        # the CPU's attention reads a sequence whose blocks follow each other as a view of the cache, without a
+        # gather (layers/attention.py torch_attention); the kernels of other devices read the block tables
+        runs = [_run(slots) if device.type == "cpu" else -1 for slots, _, _ in seqs]
+        slices = [SeqSlice(start=a, n=n, offset=o, slots=t, state_slot=k, run=r)
+                  for (a, n, o), t, k, r in zip(spans, slot_ts, owners, runs, strict=True)]
         snap = None
         if snapshot:
             if not state_slots:
@@ -237,3 +241,12 @@ class ForwardBatch:
             max_seq_len=max(lens),
             max_query_len=max(s.n for s in self.seqs),
         )
+
+
+def _run(slots: Sequence[int]) -> int:
+    """slots[0] where the slots are consecutive (slots[0], slots[0] + 1, ...), else -1."""
+    a = np.asarray(slots, dtype=np.int64)
+    if not len(a):
+        return -1
+    first = int(a[0])
+    return first if np.array_equal(a, np.arange(first, first + len(a))) else -1

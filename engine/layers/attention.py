@@ -107,8 +107,9 @@ def torch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """cached_attention in torch, one sequence at a time: the CPU path. The cache is written and read through
-    index_copy_ / index_select: on a decode step's few rows half the time of the same through indexing."""
+    """cached_attention in torch, one sequence at a time: the CPU path. The cache is written through index_copy_
+    and read through index_select (on a decode step's few rows half the time of the same through indexing), or
+    as a slice where the sequence's slots are one run (SeqSlice.run: a gather less a layer)."""
     out = torch.empty_like(q)
     kc, vc = cache.k[layer], cache.v[layer]
     for s in batch.seqs:
@@ -117,8 +118,12 @@ def torch_attention(
         kc.index_copy_(0, new, k[rows].to(kc.dtype))
         vc.index_copy_(0, new, v[rows].to(vc.dtype))
         qs = q[rows].transpose(0, 1)  # [H, n, D]
-        ks = kc.index_select(0, s.slots).to(q.dtype).transpose(0, 1)  # [KV, L, D] in q's type, whatever the cache's
-        vs = vc.index_select(0, s.slots).to(q.dtype).transpose(0, 1)
+        if s.run >= 0:  # one run of slots: the cache's rows as they are (no gather)
+            ks, vs = kc[s.run : s.run + len(s.slots)], vc[s.run : s.run + len(s.slots)]
+        else:
+            ks, vs = kc.index_select(0, s.slots), vc.index_select(0, s.slots)
+        ks = ks.to(q.dtype).transpose(0, 1)  # [KV, L, D] in q's type, whatever the cache's
+        vs = vs.to(q.dtype).transpose(0, 1)
         # every row as a decode step computes it, over its own keys (the last `window` of them): a row's attention
         # does not depend on how its prompt was chunked or what shared its step (with the int4 products, which
         # measured batch-invariant too, speculation stays token for token exact; docs/ARCHITECTURE.md)

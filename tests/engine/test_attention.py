@@ -4,6 +4,8 @@ torch_attention gives on a mixed prefill / chunk / decode batch, cache writes in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,3 +99,42 @@ def test_cached_attention_on_a_cpu_is_the_torch_path():
     got, none = cached_attention(q, k, v, 0, caches[0], fb, SCALE, want_q8_1=True)
     assert none is None  # the torch path writes no q8_1 copy: the o_proj quantizes for itself
     assert torch.equal(got, torch_attention(q, k, v, 0, caches[1], fb, SCALE))
+
+
+def test_a_cpu_batch_marks_sequences_whose_slots_are_one_run():
+    """SeqSlice.run: the first slot where a CPU batch's sequence holds consecutive slots, else -1 (blocks in
+    another order whose first and last slots still span the length, a gap, a GPU batch's)."""
+    runs = [list(range(8, 8 + 13)), [*range(0, 4), *range(8, 12), *range(4, 8), *range(12, 16)],
+            [*range(0, 4), *range(8, 10)], [5]]
+    fb = ForwardBatch.build([(s, len(s) - 1, [1]) for s in runs], [False] * 4, torch.device("cpu"))
+    assert [s.run for s in fb.seqs] == [8, -1, -1, 5]
+    if torch.cuda.is_available():
+        fb = ForwardBatch.build([(runs[0], 12, [1])], [False], torch.device("cuda"))
+        assert fb.seqs[0].run == -1
+
+
+def test_torch_attention_reads_a_run_of_slots_as_it_gathers_them():
+    """Sequences on consecutive slots (read as a slice of the cache) and the same on scattered ones (gathered):
+    the same outputs, bit for bit, and the same cache writes."""
+    gen = torch.Generator().manual_seed(3)
+    plan = [(6, 1), (0, 5), (11, 1)]
+    contiguous, first = [], 2
+    for c, n in plan:
+        contiguous.append((list(range(first, first + c + n)), c, list(range(n))))
+        first += c + n + 3
+    runs = ForwardBatch.build(contiguous, [False] * 3, torch.device("cpu"))
+    assert all(s.run >= 0 for s in runs.seqs)
+    gathered = ForwardBatch.build(contiguous, [False] * 3, torch.device("cpu"))
+    gathered.seqs[:] = [dataclasses.replace(s, run=-1) for s in gathered.seqs]
+    T = sum(n for _, n in plan)
+    q = torch.randn(T, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(T, KV, HEAD_DIM, generator=gen)
+    v = torch.randn(T, KV, HEAD_DIM, generator=gen)
+    outs, caches = [], []
+    for fb in (runs, gathered):
+        cache = KVCache(1, 64, KV, HEAD_DIM, torch.float32, torch.device("cpu"))
+        fill_cache(cache, fb, torch.Generator().manual_seed(5))
+        outs.append(torch_attention(q, k, v, 0, cache, fb, SCALE))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+    assert torch.equal(caches[0].k.nan_to_num(), caches[1].k.nan_to_num())
