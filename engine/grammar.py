@@ -239,11 +239,14 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | t
     past the mask. xgrammar's kernel: its C++ loop on a CPU (3-5x faster than unpacking the bits in torch ops
     there), its Triton kernel on a GPU; on the logits' device either way. `rows` on a GPU: an int32 tensor
     there (sampling.py makes it without waiting), which xgrammar takes as it is; from a list it would copy
-    them from pageable memory, which waits for the device."""
+    them from pageable memory, which waits for the device. Nothing here waits for the device (the sampler's
+    GPU test draws a masked row under torch's sync debug mode)."""
     import xgrammar as xgr
 
     vocab = logits.shape[1]
     covered = bitmask.shape[1] * 32
-    if covered < vocab:
-        logits[rows, covered:] = float("-inf")
+    if covered < vocab:  # ids past the grammar's vocabulary (a padded output layer): never allowed
+        # index_fill_ on the tail's view; indexing with the rows (logits[rows, covered:] = ...) waits for the device
+        tail_rows = rows.long() if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
+        logits[:, covered:].index_fill_(0, tail_rows.to(logits.device, non_blocking=True), float("-inf"))
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, covered), indices=rows)

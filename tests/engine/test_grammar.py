@@ -105,13 +105,14 @@ def test_bad_grammars_are_refused_with_the_reason(grammars, spec, reason):
     assert "/project/" not in str(info.value)  # the library's source position is not the client's business
 
 
-def test_masks_touch_only_constrained_rows_and_ids_past_the_mask():
+@pytest.mark.parametrize("rows", [[1], torch.tensor([1], dtype=torch.int32)], ids=["list", "int32-tensor"])
+def test_masks_touch_only_constrained_rows_and_ids_past_the_mask(rows):
     logits = torch.randn(3, 70)
     bitmask = torch.zeros((3, 2), dtype=torch.int32)  # covers 64 ids
     bitmask[1, 0] = 0b1010  # row 1 allows tokens 1 and 3
     bitmask[1, 1] = -(2**31)  # and token 63 (the sign bit)
     masked = logits.clone()
-    apply_masks(masked, bitmask, [1])
+    apply_masks(masked, bitmask, rows)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     assert allowed == [1, 3, 63]
