@@ -5,7 +5,9 @@ Each program owns BLOCK_N weight rows, BLOCK_M rows of x and one K split. A weig
 registers by the type's tile function (matmul.dequant_tile, shared with the decode mat-vec and the dense
 dequantizer) once per BLOCK_M rows of x and fed to the matrix units as the left operand (tl.dot on x's type:
 bf16 / fp16, f32 with IEEE products for the exact checks), the weight rows on the instruction's M side, so at
-up to BLOCK_M rows every weight byte is read once. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
+up to BLOCK_M rows every weight byte is read once. Q4_K can instead take a product a sub-block, its codes
+straight from the nibbles in k order (SUB, _q4_k_subblocks: no interleaving of a chunk's two runs), which the
+rule picks where it measured faster. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
 in fixed order. The mixture-of-experts grouped GEMM (moe.py) is this kernel with its rows taken from one
 expert's run of assignments (GROUPED). Launch parameters: the tuning file's `gemm` table over `gemm_rule`.
 Torch reference: matmul.reference_matmul.
@@ -17,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vegaserve.triton_kernels.dequant import spec_for
+from vegaserve.triton_kernels.dequant import GGMLType, spec_for
+from vegaserve.triton_kernels.flat_words import q4_k_scale_min
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import SUPPORTED, dequant_tile, tile_split
 from vegaserve.triton_kernels.tiles_iq import table_for
@@ -42,6 +45,38 @@ def expert_run(m0, order_ptr, counts_ptr, starts_ptr, pstarts_ptr, n_experts, BL
 
 
 @triton.jit
+def _q4_k_subblocks(acc, base, o0, r0, b0, o2, r2, b2, rows64, rmask, blk, x_ptr, xrow, valid, stride_xm,
+                    DOT_F32: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus Q4_K super-block `blk` of the rows times x's 256 elements there, a product
+    of 32 elements a sub-block: sub-block 2c is the low nibbles of the quants' 32-byte chunk c and 2c + 1 its
+    high nibbles, so each sub-block's codes come straight from one load in k order (the super-block tile
+    interleaves the two runs through shared memory). The head record (d, dmin, the 12 scale bytes) is four
+    words at field 0 in both layouts. Values as q4_k_tile's: q * (d sc) - dmin m."""
+    hp = (base + o0 + rows64 * r0 + blk * b0).to(tl.pointer_type(tl.int32))
+    dm = tl.load(hp, mask=rmask, other=0)
+    sa = tl.load(hp + 1, mask=rmask, other=0)
+    sb = tl.load(hp + 2, mask=rmask, other=0)
+    scw = tl.load(hp + 3, mask=rmask, other=0)
+    d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    qp = base + o2 + rows64 * r2 + blk * b2
+    j = tl.arange(0, 32)
+    xp = x_ptr + xrow[:, None] * stride_xm + blk.to(tl.int64) * 256 + j[None, :]
+    for c in tl.static_range(4):
+        q = tl.load(qp[:, None] + 32 * c + j[None, :], mask=rmask[:, None], other=0)
+        for h in tl.static_range(2):
+            sc, mn = q4_k_scale_min(sa, sb, scw, 2 * c + h)
+            codes = q & 15 if h == 0 else q >> 4
+            w = codes.to(tl.float32) * (d * sc.to(tl.float32))[:, None] - (dmin * mn.to(tl.float32))[:, None]
+            xt = tl.load(xp + 32 * (2 * c + h), mask=valid[:, None], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(xt.dtype), tl.trans(xt), acc)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, y_ptr, base,  # pointers: activations [R, K], output [SPLIT_K, rows, N] f32, weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields (layout.py)
@@ -50,6 +85,7 @@ def _gemm_kernel(
     order_ptr, counts_ptr, starts_ptr, pstarts_ptr, n_experts, expert_bytes,  # GROUPED: moe.sort_by_expert
     WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
     GROUPED: tl.constexpr = 0, XDIV: tl.constexpr = 1, E_P2: tl.constexpr = 1, DOT_F32: tl.constexpr = 0,
+    SUB: tl.constexpr = 0,  # Q4_K a super-block an iteration, a product a sub-block (_q4_k_subblocks)
     tab_ptr=None,  # the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for)
 ):
     # program_id(0): a block of BLOCK_M rows of x (GROUPED: of one expert's padded run of assignments),
@@ -73,20 +109,24 @@ def _gemm_kernel(
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T: the weight rows fill the matrix unit's M side
     for i in range(0, n_iter):
-        blk = first + i * NB + tl.arange(0, NB)
-        w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB,
-                         tab_ptr)
-        kk = (first + i * NB) * QK + tl.arange(0, NB * QK)
-        xt = tl.load(x_ptr + xrow[:, None] * stride_xm + kk[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
+        if SUB:
+            acc = _q4_k_subblocks(acc, base, o0, r0, b0, o2, r2, b2, rows64, rmask, first + i, x_ptr, xrow, valid,
+                                  stride_xm, DOT_F32)
         else:
-            acc = tl.dot(w.to(xt.dtype), tl.trans(xt), acc)
+            blk = first + i * NB + tl.arange(0, NB)
+            w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N,
+                             NB, tab_ptr)
+            kk = (first + i * NB) * QK + tl.arange(0, NB * QK)
+            xt = tl.load(x_ptr + xrow[:, None] * stride_xm + kk[None, :], mask=valid[:, None], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(xt.dtype), tl.trans(xt), acc)
     out = y_ptr + tl.program_id(2) * stride_ys + yrow[None, :].to(tl.int64) * stride_ym + rows[:, None]
     tl.store(out, acc, mask=rmask[:, None] & valid[None, :])
 
 
-GEMM_PARAMETERS = frozenset({"block_m", "block_n", "nb", "split_k", "num_warps", "num_stages"})
+GEMM_PARAMETERS = frozenset({"block_m", "block_n", "nb", "split_k", "num_warps", "num_stages", "sub"})
 
 
 def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
@@ -95,12 +135,15 @@ def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
     to 4 while the grid holds fewer than 8 programs an SM; tiles of one super-block for the 256-element
     types, of 64 elements for the others with three stages. The best or within 11% of it on an H100 at
     16-128 rows on the Llama-3-8B shapes (the kernel is register-bound at two programs an SM, so small
-    tiles, split K and pipelined loads are what feed it)."""
+    tiles, split K and pipelined loads are what feed it). Q4_K on the wide grid at 33-64 rows: a product a
+    sub-block (`sub`): 80.8 against 103.3 us at 64 rows on 28672x4096 (H100, the same launch otherwise);
+    on the narrower Llama-3-8B shapes and at 16 rows with this launch it was no faster."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
     params = {"block_m": block_m, "block_n": 64, **gemm_tiles(type_id), "split_k": 1, "num_warps": 4}
     if m_blocks * triton.cdiv(n, 128) * 2 >= 3 * sms:
-        return {**params, "block_n": 128, "nb": 8, "num_stages": 2}
+        sub = {"sub": 1} if type_id == GGMLType.Q4_K and m_blocks == 1 and block_m == 64 else {}
+        return {**params, "block_n": 128, "nb": 8, "num_stages": 2, **sub}
     nb, _, _ = tile_split(type_id, k, params["nb"], 1)
     tiles = k // _qk(type_id) // nb
     while params["split_k"] < 4 and m_blocks * triton.cdiv(n, 64) * params["split_k"] < 8 * sms \
@@ -128,11 +171,11 @@ def gemm_params(w: PackedWeight, m: int, tuning, sms: int) -> dict[str, int]:
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int = 64, nb: int = 8,
-               split_k: int = 1, num_warps: int = 4, num_stages: int = 2, grouped=None) -> torch.Tensor:
+               split_k: int = 1, num_warps: int = 4, num_stages: int = 2, grouped=None, sub: int = 0) -> torch.Tensor:
     """x [M, K] (bf16/fp16, or f32 with IEEE products) -> y [M, N] f32, W dequantized tile by tile in
     registers. `grouped` (order, counts, starts, pstarts, x_div, count): w a stack of experts and y [count,
     N] each assignment's expert times its row of x (moe.grouped_quant_gemm sorts them). nb counts 32-element
-    units, as tile_split's."""
+    units, as tile_split's. sub 1 (Q4_K, tiles of one super-block): a product a sub-block (_q4_k_subblocks)."""
     M, K = x.shape
     if K != w.k or (grouped is None and w.expert_bytes):
         raise ValueError(f"the quantized GEMM takes x [M, {w.k}] and one matrix; got x {tuple(x.shape)}")
@@ -143,6 +186,9 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int
                          f"block_m {block_m}, block_n {block_n}")
     x = x.contiguous()
     nb, per_split, split_k = tile_split(w.type_id, K, nb, split_k)
+    if sub and (w.type_id != GGMLType.Q4_K or nb != 1):
+        raise ValueError(f"the GEMM's product a sub-block is Q4_K's with tiles of one super-block (nb 8); got "
+                         f"{w.type_name} with nb {nb * _qk(w.type_id) // 32}")
     rows = grouped[5] if grouped is not None else M
     y = torch.empty(split_k, rows, w.n, dtype=torch.float32, device=x.device)
     m_blocks = triton.cdiv(rows, block_m) + (w.experts if grouped is not None else 0)
@@ -157,7 +203,8 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int
         _gemm_kernel[grid](
             x, y, w.data, *w.field_args(), M, w.n, K, per_split, x.stride(0), w.n, rows * w.n, *group_args,
             WTYPE=w.type_id, QK=_qk(w.type_id), BLOCK_M=block_m, BLOCK_N=block_n, NB=nb,
-            DOT_F32=int(x.dtype == torch.float32), **group_consts, tab_ptr=table_for(w.type_id, w.data.device),
+            DOT_F32=int(x.dtype == torch.float32), SUB=int(bool(sub)), **group_consts,
+            tab_ptr=table_for(w.type_id, w.data.device),
             num_warps=num_warps, num_stages=num_stages,
         )
     return y[0] if split_k == 1 else y.sum(0)

@@ -165,6 +165,27 @@ def test_quant_gemm_matches_reference_at_16_64_and_200_rows(type_name, layout):
     assert rel_err(y, reference_matmul(x.half().float().cpu(), _cpu(w))) < 3e-3
 
 
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("layout", [repack, canonical], ids=["repack", "canonical"])
+def test_quant_gemm_q4_k_product_a_sub_block_matches_reference(layout):
+    """Q4_K with a product a sub-block (sub 1): f32 operands with IEEE products (1e-5) at 16 rows in two K
+    splits, 64 rows, 200 rows over four blocks; fp16 at 64 rows (3e-3); N = 37 (a partial weight block), three
+    super-blocks a row (an odd split), outputs from poisoned memory."""
+    from vegaserve.triton_kernels.gemm import quant_gemm
+
+    w, gen = make("Q4_K", 37, 768, layout, 11)
+    for m, block_m, split_k in ((16, 16, 2), (64, 64, 1), (200, 64, 1)):
+        x = torch.randn(m, 768, generator=gen).to(DEVICE)
+        y = quant_gemm(x, w, block_m=block_m, block_n=16, nb=8, split_k=split_k, sub=1)
+        assert y.shape == (m, 37)
+        assert rel_err(y, reference_matmul(x.cpu(), _cpu(w))) < 1e-5, (m, split_k)
+    x = torch.randn(64, 768, generator=gen).to(DEVICE)
+    y = quant_gemm(x.half(), w, block_m=64, block_n=16, sub=1)
+    assert rel_err(y, reference_matmul(x.half().float().cpu(), _cpu(w))) < 3e-3
+    with pytest.raises(ValueError, match="Q4_K's with tiles of one super-block"):
+        quant_gemm(x, make("Q6_K", 37, 768, layout, 11)[0], sub=1)
+
+
 def test_quant_gemm_refuses_blocks_below_the_matrix_units_size():
     from vegaserve.triton_kernels.gemm import quant_gemm
 

@@ -156,6 +156,16 @@ def test_gemm_entries_are_looked_up_by_shape_then_rows_and_unknown_parameters_ar
         gemm_params(w, 16, bad, 132)
 
 
+def test_gemm_rule_takes_q4_k_a_sub_block_at_a_time_only_on_a_wide_grid_at_33_to_64_rows():
+    from vegaserve.triton_kernels.gemm import gemm_rule
+
+    assert gemm_rule(12, 28672, 4096, 64, 132)["sub"] == 1
+    assert gemm_rule(12, 28672, 4096, 40, 132)["sub"] == 1
+    for type_id, n, m in ((12, 28672, 16), (12, 28672, 32), (12, 28672, 128), (12, 6144, 64), (12, 4096, 64),
+                          (14, 28672, 64), (8, 28672, 64)):
+        assert "sub" not in gemm_rule(type_id, n, 4096, m, 132), (type_id, n, m)
+
+
 def test_gemm_rule_splits_k_only_where_the_grid_is_small():
     from vegaserve.triton_kernels.gemm import gemm_rule
 
