@@ -239,8 +239,8 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | t
     past the mask. xgrammar's kernel: its C++ loop on a CPU (3-5x faster than unpacking the bits in torch ops
     there), its Triton kernel on a GPU; on the logits' device either way. `rows` on a GPU: an int32 tensor
     there (sampling.py makes it without waiting), which xgrammar takes as it is; from a list it would copy
-    them from pageable memory, which waits for the device. Nothing here waits for the device (the sampler's
-    GPU test draws a masked row under torch's sync debug mode)."""
+    them from pageable memory, which waits for the device. With the rows as that tensor nothing here waits for
+    the device (the sampler's GPU test draws a masked row under torch's sync debug mode)."""
     import xgrammar as xgr
 
     vocab = logits.shape[1]

@@ -136,8 +136,10 @@ def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
     types, of 64 elements for the others with three stages. The best or within 11% of it on an H100 at
     16-128 rows on the Llama-3-8B shapes (the kernel is register-bound at two programs an SM, so small
     tiles, split K and pipelined loads are what feed it). Q4_K on the wide grid at 33-64 rows: a product a
-    sub-block (`sub`): 80.8 against 103.3 us at 64 rows on 28672x4096 (H100, the same launch otherwise);
-    on the narrower Llama-3-8B shapes and at 16 rows with this launch it was no faster."""
+    sub-block (`sub`): 80.8 against 103.3 us at 64 rows on 28672x4096 (H100, the same launch otherwise).
+    On the narrower Llama-3-8B shapes it was within 5% (slower at 16 rows on 6144x4096); at 16 rows on
+    28672x4096 it was fastest with x on the M side and K split in two (62.0 against 84.0 us), a launch this
+    kernel does not have, and with this launch not among the eight fastest."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
     params = {"block_m": block_m, "block_n": 64, **gemm_tiles(type_id), "split_k": 1, "num_warps": 4}

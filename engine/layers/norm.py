@@ -24,8 +24,8 @@ class RMSNorm(nn.Module):
             from vegaserve.triton_kernels.fused import rms_norm
 
             return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        # torch's fused form of x * rsqrt(mean(x^2) + eps) * w: the same bits as the six ops it replaces, in a
-        # third of their time at a decode step's size
+        # torch's fused form of x * rsqrt(mean(x^2) + eps) * w: the same bits as the six ops it replaces, 10.5
+        # against 14.5 us at a decode row (2 threads)
         xf = x.float()
         return torch.nn.functional.rms_norm(xf, (xf.shape[-1],), self.weight, self.eps).to(x.dtype)
 
