@@ -11,7 +11,6 @@ checked against float64 references and against `torch_attention` in tests/triton
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.norm import Q8_1
@@ -136,15 +135,18 @@ def torch_attention(
 
 def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query row q [H, D] over its keys k/v [KV, L, D] -> [H, D], the heads grouped onto their key head.
-    Without sinks: torch's fused CPU attention with the heads grouped by enable_gqa (SmolLM2's 9 heads over 3 at
-    130 keys: 23 us against 33 for the three ops below; expanding the key heads instead took its math path, 3-4x
-    slower). sinks [H]: one logit per head in the softmax's denominator (gpt-oss), a key that is never attended."""
-    if sinks is None:
-        return F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], scale=scale, enable_gqa=True)[0, :, 0]
+    """One query row q [H, D] over its keys k/v [KV, L, D] -> [H, D], the heads grouped onto their key head: three
+    ops. torch's CPU SDPA took its math path where the key heads were expanded (131 us against 46 at 40 keys);
+    its fused kernel with enable_gqa was faster (23 against 33 us at 130 keys) but not as exact: SmolLM2's
+    argmax agreement with llama.cpp fell from 93 to 90 of 95 positions (benchmarks/compare_llamacpp.py), the
+    int4 products' bf16 rounding turning its differences into visible ones. sinks [H]: one logit per head in
+    the softmax's denominator (gpt-oss), a key that is never attended."""
     kv, d = k.shape[0], k.shape[2]
     g = q.reshape(kv, -1, d)  # [KV, H / KV, D]
     scores = (g @ k.transpose(1, 2)) * scale
-    sink = sinks.to(scores.dtype).reshape(kv, -1, 1)
-    p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).reshape(kv, -1, 1)
+        p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return (p @ v).reshape(-1, d)
