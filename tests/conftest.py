@@ -18,6 +18,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers share the machine's cores: each runs torch on its share of them. With every worker on
+# all the cores (torch's default) the OpenMP threads outnumber the cores and wait for each other at every op:
+# four of the slowest files took 272 s that way against 181 s so (`-n 2`, 2 cores).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 # llama.cpp's outputs on the embedded model; each file's "source" names the build that wrote it
 REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "smollm2"
