@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 # pytest-xdist's workers share the machine's cores: each runs torch on its share of them. With every worker on
 # all the cores (torch's default) the OpenMP threads outnumber the cores and wait for each other at every op:
-# four of the slowest files took 272 s that way against 181 s so (`-n 2`, 2 cores).
+# test_models.py with test_speculative.py took 255 and 292 s that way against 108 and 96 s so (`-n 2`, 2
+# cores, interleaved).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
