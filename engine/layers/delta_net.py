@@ -76,8 +76,9 @@ class RecurrentState:
     def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
         """After a verify step that computed rows past those kept (rejected guesses, a replayed step's
         padding): each (slot, m) of `keep` goes back to its backup advanced by its first m rows of that
-        step, from the rows' inputs `saved` kept (every layer at once): the conv rows are the last K - 1 of [backup rows; the m rows' inputs], the delta
-        rule's state the recurrence over the m rows from the backup's (as a decode step computes it).
+        step, from the rows' inputs `saved` kept (every layer at once): the conv rows are the last K - 1 of
+        [backup rows; the m rows' inputs], the delta rule's state the recurrence over the m rows from the
+        backup's (as a decode step computes it).
         kernel: through delta_rule_recurrent (None: on a GPU), else the torch reference."""
         slots = [s for s, _ in keep]
         where = {slot: (at, n) for slot, at, n in saved.seqs}
