@@ -37,7 +37,7 @@ from vegaserve.engine.forward_batch import StepPlan
 
 def make_plan(seqs: int, blocks: int, tokens: int = 1, step: int = 0) -> StepPlan:
     """Step `step` of `seqs` sequences decoding side by side, each `blocks` KV blocks of 16 at step 0 and a
-    token more every step (a block more every 16), keyed as the engine keys them (their request ids)."""
+    token more every step (a block more every 16), a key a sequence as the engine gives each block table."""
     plan = []
     for i in range(seqs):
         start = blocks * 16 - 5 + step
