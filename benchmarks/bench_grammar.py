@@ -311,7 +311,7 @@ def engine_steps(model: str | None, streams: int, steps: int, rounds: int,
     core.outputs.on_tokens = clocked(core.outputs.on_tokens, spent)
     grammar.PendingMasks.wait = clocked(grammar.PendingMasks.wait, waited)
 
-    def run(guided: bool) -> tuple[list[float], list[float], list[float]]:
+    def run(guided: bool) -> tuple[list[float], list[float], list[float], list[float]]:
         for i in range(streams):
             text = f"<|im_start|>user\nWrite a long report on {subjects[i % len(subjects)]} as JSON.<|im_end|>\n<|im_start|>assistant\n"
             ids = tok.encode(text, add_special_tokens=False)
