@@ -106,31 +106,37 @@ def torch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, batch: ForwardBatch, scale: float,
     window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """cached_attention in torch, one sequence at a time: the CPU path. The cache is written through index_copy_
-    and read through index_select (on a decode step's few rows half the time of the same through indexing), or
-    as a slice where the sequence's slots are one run (SeqSlice.run: a gather less a layer)."""
-    out = torch.empty_like(q)
+    """cached_attention in torch, one sequence at a time: the CPU path. Where a sequence's slots are one run
+    (SeqSlice.run) the cache is written and read as slices of it (a gather less a layer, and no slot index);
+    elsewhere written through index_copy_ and read through index_select (on a decode step's few rows half the
+    time of the same through indexing)."""
     kc, vc = cache.k[layer], cache.v[layer]
+    cast = kc.dtype != q.dtype
+    rows_out = []
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        new = s.slots[s.start : s.start + s.n]
-        kc.index_copy_(0, new, k[rows].to(kc.dtype))
-        vc.index_copy_(0, new, v[rows].to(vc.dtype))
-        qs = q[rows].transpose(0, 1)  # [H, n, D]
-        if s.run >= 0:  # one run of slots: the cache's rows as they are (no gather)
-            ks, vs = kc[s.run : s.run + len(s.slots)], vc[s.run : s.run + len(s.slots)]
+        end = s.start + s.n
+        if s.run >= 0:  # slots run .. run + end - 1: this step's are the last n (a copy casts to the cache's type)
+            kc[s.run + s.start : s.run + end] = k[rows]
+            vc[s.run + s.start : s.run + end] = v[rows]
+            ks, vs = kc[s.run : s.run + end], vc[s.run : s.run + end]
         else:
+            new = s.slots[s.start : end]
+            kc.index_copy_(0, new, k[rows].to(kc.dtype) if cast else k[rows])
+            vc.index_copy_(0, new, v[rows].to(vc.dtype) if cast else v[rows])
             ks, vs = kc.index_select(0, s.slots), vc.index_select(0, s.slots)
-        ks = ks.to(q.dtype).transpose(0, 1)  # [KV, L, D] in q's type, whatever the cache's
-        vs = vs.to(q.dtype).transpose(0, 1)
+        if cast:  # attended in q's type, whatever the cache's
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [KV, L, D]
         # every row as a decode step computes it, over its own keys (the last `window` of them): a row's attention
         # does not depend on how its prompt was chunked or what shared its step (with the int4 products, which
         # measured batch-invariant too, speculation stays token for token exact; docs/ARCHITECTURE.md)
         for i in range(s.n):
             end_i = s.start + i + 1
             lo = max(0, end_i - window) if window else 0
-            out[s.offset + i] = _attend_row(qs[:, i], ks[:, lo:end_i], vs[:, lo:end_i], scale, sinks)
-    return out
+            kr, vr = (ks, vs) if lo == 0 and end_i == end else (ks[:, lo:end_i], vs[:, lo:end_i])
+            rows_out.append(_attend_row(q[s.offset + i], kr, vr, scale, sinks))
+    return rows_out[0].unsqueeze(0) if len(rows_out) == 1 else torch.stack(rows_out)
 
 
 def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
