@@ -57,13 +57,12 @@ def byte_permute(a, b, sel, STRIDE: tl.constexpr, DOT: tl.constexpr):
     elif DOT == 2 and STRIDE == 8:
         return tl.inline_asm_elementwise("v_perm_b32 $0, $1, $2, $3", "=v,v,v,v", [b, a, sel + tl.zeros_like(a)],
                                          dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        out = tl.zeros_like(a)
-        for k in tl.static_range(4):
-            s = (sel >> (STRIDE * k)) & 7
-            byte = (tl.where(s < 4, a, b) >> (8 * (s & 3))) & 0xFF
-            out = out | (byte << (8 * k))
-        return out
+    else:  # the four bytes at once: {b, a} as one int64, each selector's byte shifted down, then into place
+        both = (b.to(tl.int64) << 32) | (a.to(tl.int64) & 0xFFFFFFFF)
+        k = tl.arange(0, 4)
+        s = (tl.expand_dims(sel + tl.zeros_like(a), len(a.shape)) >> (STRIDE * k)) & 7
+        byte = (tl.expand_dims(both, len(a.shape)) >> (s.to(tl.int64) << 3)) & 0xFF
+        return tl.sum(byte << (8 * k).to(tl.int64), axis=len(a.shape)).to(tl.int32)
 
 
 @triton.jit
