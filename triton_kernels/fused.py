@@ -122,12 +122,14 @@ _ROPE_HEADS = 4  # heads per program
 @triton.jit
 def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, H,
                  kc_ptr, vc_ptr, slot_ptr, v_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_vt,
-                 stride_vh, FIRST_K,
+                 stride_vh, FIRST_K, nw_ptr, NORM_K, eps,
                  D: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
                  HALF: tl.constexpr, REST: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PDL: tl.constexpr):
+                 NORM: tl.constexpr, PDL: tl.constexpr):
     """Token program_id(0), heads program_id(1) * BLOCK_H onwards: pairs (i, i + ROT/2) (NEOX) or
     (2i, 2i + 1) rotate by the angle of pair i at the token's position; features ROT.. D are copied.
+    NORM: each head is first RMS-normed over its D features (q/k norm), by weight row 0 of nw [2, D] below
+    head NORM_K and row 1 from it, and rounded to x's type, as the norm kernel would have stored it.
     STORE: heads FIRST_K.. are keys: each rotated key row (as stored in y) also goes to the token's cache
     slot, and the value row of the same kv head with it, both in the caches' type (write_kv's store)."""
     pdl.let_next_start(PDL)
@@ -153,6 +155,21 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     dst = y_ptr + (t * H + h) * D
     a = tl.load(src + ia, mask=live, other=0.0).to(tl.float32)
     b = tl.load(src + ib, mask=live, other=0.0).to(tl.float32)
+    if REST > 0:
+        j = ROT + tl.arange(0, REST)[None, :]
+        keep = (h < H) & (j < D)
+        rest = tl.load(src + j, mask=keep, other=0.0)
+    if NORM:
+        ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+        if REST > 0:
+            rf = rest.to(tl.float32)
+            ss += tl.sum(rf * rf, axis=1)
+        r = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        wrow = nw_ptr + (h >= NORM_K).to(tl.int32) * D
+        a = (a * r * tl.load(wrow + ia, mask=live, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        b = (b * r * tl.load(wrow + ib, mask=live, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if REST > 0:
+            rest = (rf * r * tl.load(wrow + j, mask=keep, other=0.0)).to(x_ptr.dtype.element_ty)
     ra, rb = rotate_pair(a, b, cos, sin)
     ra = ra.to(y_ptr.dtype.element_ty)
     rb = rb.to(y_ptr.dtype.element_ty)
@@ -169,12 +186,18 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
         vrow = tl.load(v_ptr + t * stride_vt + kv * stride_vh + d, mask=vm)
         tl.store(vc_ptr + s * stride_vcs + kv * stride_vch + d, to_cache(vrow, vc_ptr), mask=vm)
     if REST > 0:
-        j = ROT + tl.arange(0, REST)[None, :]
-        keep = (h < H) & (j < D)
-        rest = tl.load(src + j, mask=keep, other=0.0)
         tl.store(dst + j, rest, mask=keep)
         if STORE:
             tl.store(kdst + j, to_cache(rest, kc_ptr), mask=keep & key)
+
+
+class HeadNorm(NamedTuple):
+    """The per-head RMS norm rope applies before it rotates (q/k norm): weight [2, D] f32 (row 0 for the heads
+    below first_k, row 1 for the others; one row serves where all heads are q's or k's), and eps."""
+
+    weight: torch.Tensor
+    first_k: int
+    eps: float
 
 
 class KVStore(NamedTuple):
@@ -189,15 +212,21 @@ class KVStore(NamedTuple):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
-         neox: bool, store: KVStore | None = None) -> torch.Tensor:
+         neox: bool, store: KVStore | None = None, norm: HeadNorm | None = None) -> torch.Tensor:
     """x [T, H, D] (any strides over T and H, unit stride over D), positions [T], cos/sin [max_pos,
     rope_dim / 2] f32 (the angles times the magnitude scale) -> rotated copy [T, H, D], x's type. `store`:
     the heads from store.first_k on are keys; they and the values go to the cache in the same launch (the
-    store attention.write_kv would make; the caller then skips it)."""
+    store attention.write_kv would make; the caller then skips it). `norm`: each head RMS-normed first (the
+    q/k norms of Qwen3 and its kin, in this launch rather than one each)."""
     T, H, D = x.shape
     if x.stride(2) != 1 or rope_dim % 2 or rope_dim > D:
         raise ValueError(f"rope takes [T, H, D] with unit stride over D and an even rope_dim <= D; got "
                          f"{tuple(x.shape)} {x.stride()} rope_dim {rope_dim}")
+    if norm is not None and (norm.weight.shape != (2, D) or norm.weight.dtype != torch.float32
+                             or not norm.weight.is_contiguous()):
+        raise ValueError(f"rope's head norm takes a contiguous f32 weight [2, {D}], got "
+                         f"{tuple(norm.weight.shape)} {norm.weight.dtype}")
+    norm_args = (norm.weight, norm.first_k, norm.eps) if norm is not None else (cos, H, 0.0)
     y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if store is not None:
         kc, vc, slots, v, first = store
@@ -216,9 +245,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
         block_h = min(triton.next_power_of_2(H), _ROPE_HEADS)
         _rope_kernel[(T, triton.cdiv(H, block_h))](
             x, y, positions, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), H, *cache_args,
-            D=D, ROT=rope_dim, NEOX=neox, BLOCK_H=block_h,
+            *norm_args, D=D, ROT=rope_dim, NEOX=neox, BLOCK_H=block_h,
             HALF=triton.next_power_of_2(max(rope_dim // 2, 1)), REST=triton.next_power_of_2(rest) if rest else 0,
-            STORE=store is not None, BLOCK_D=triton.next_power_of_2(D), **pdl.launch_args(x.device),
+            STORE=store is not None, BLOCK_D=triton.next_power_of_2(D), NORM=norm is not None,
+            **pdl.launch_args(x.device),
         )
     return y
 

@@ -180,7 +180,7 @@ class CPUMethod(ReferenceMethod):
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         if layer.int4 is None:
             return super().apply(layer, x, q8_1)
-        xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        xb = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16)
         codes, sz = layer.int4[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, 32, sz).float()
         for codes, sz in layer.int4[1:]:  # Q8_0's low plane

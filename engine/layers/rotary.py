@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vegaserve.engine.models.arch_config import RopeScaling
+from vegaserve.triton_kernels.fused import HeadNorm
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling, freq_factors: torch.Tensor | None) -> tuple[torch.Tensor, float]:
@@ -66,18 +68,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin() * mscale, persistent=False)
         self._step_angles: tuple | None = None  # the CPU path's factors of the last positions (_factors)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, store=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, store=None, norm: HeadNorm | None = None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T]. One Triton launch on a GPU (triton_kernels/fused.py),
         the torch code below elsewhere (and as its reference). `store` (a GPU only, layers/attention.py
-        kv_store): the same launch writes the rotated keys and the values to the KV cache."""
+        kv_store): the same launch writes the rotated keys and the values to the KV cache. `norm`: each head
+        RMS-normed before it is rotated (q/k norm), in the same launch on a GPU."""
         if x.is_cuda:
             from vegaserve.triton_kernels.fused import rope
 
-            return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox, store)
+            return rope(x, positions, self.cos, self.sin, self.rope_dim, self.neox, store, norm)
         if store is not None:
             raise ValueError("the cache store in the rotation is the GPU kernel's")
+        if norm is not None:
+            x = head_norm(x, norm)
         cos, sin = self._factors(positions, x.dtype)
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        whole = self.rope_dim == x.shape[-1]
+        rot, rest = (x, None) if whole else (x[..., : self.rope_dim], x[..., self.rope_dim :])
         # (a, b) -> (a cos - b sin, b cos + a sin) as rot * cos + partner * sin with sin's first member negated:
         # the same products and sums, so the same bits, in four ops
         if self.neox:  # pairs (i, i + d/2)
@@ -86,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         else:  # pairs (2i, 2i + 1)
             partner = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         out = rot * cos + partner * sin
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        return out if whole else torch.cat((out, rest), dim=-1)
 
     def _factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, rope_dim] of the CPU path for `positions`, in `dtype`, laid out as the
@@ -104,3 +110,12 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
         self._step_angles = (positions.clone(), dtype, cos, sin)
         return cos, sin
+
+
+def head_norm(x: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
+    """x [T, H, D] with each head RMS-normed as norm says (the torch form of rope's `norm`): heads below
+    norm.first_k by weight row 0, the others by row 1, each as layers/norm.py RMSNorm computes it."""
+    k, eps = norm.first_k, norm.eps
+    parts = [F.rms_norm(p.float(), (p.shape[-1],), w, eps).to(x.dtype)
+             for p, w in ((x[:, :k], norm.weight[0]), (x[:, k:], norm.weight[1])) if p.shape[1]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

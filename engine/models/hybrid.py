@@ -41,6 +41,7 @@ from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.llama import LlamaModel
 from vegaserve.engine.models.weights import WeightLoader
+from vegaserve.triton_kernels.fused import HeadNorm
 
 
 class GatedAttention(nn.Module):
@@ -59,8 +60,9 @@ class GatedAttention(nn.Module):
         self.split = [2 * q, kv, kv]  # q rows: per head, D of query then D of gate
         self.qkv = QuantLinear(cfg.hidden_size, self.split, method)
         self.o_proj = QuantLinear(q, [cfg.hidden_size], method)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        # q/k norm weights [2, head_dim] (q's row, k's row), applied by the rotations
+        self.register_buffer("qk_norm", torch.ones(2, cfg.head_dim), persistent=False)
+        self.eps = cfg.rms_eps
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def load(self, w: WeightLoader, p: str) -> None:
@@ -70,8 +72,7 @@ class GatedAttention(nn.Module):
                        for n, rows, a, k in zip("qkv", self.full, first, self.split, strict=True)], w.device)
         self.o_proj.load([slice_cols(w.source(p + "attn_output.weight", (self.hidden, self.full[0] // 2)),
                                      self.q0 * D, self.split[0] // 2)], w.device)
-        self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (self.head_dim,))
-        self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (self.head_dim,))
+        self.qk_norm = torch.stack([w.vector(p + f"attn_{n}_norm.weight", (D,)) for n in "qk"]).float()
 
     def wants_q8_1(self, m: int) -> bool:
         return self.qkv.wants_q8_1(m)
@@ -82,11 +83,12 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv(x, xq).split(self.split, dim=-1)
         qg = qg.view(T, H, 2, D)
         gate = qg[:, :, 1].reshape(T, H * D)
-        q = self.q_norm(qg[:, :, 0])
-        k = self.k_norm(k.reshape(T, self.n_kv, D))
         v = v.reshape(T, self.n_kv, D)
         store = kv_store(v, self.cache_layer, cache, batch, 0)
-        q, k = rope(q, batch.positions), rope(k, batch.positions, store)
+        # q's heads are apart from k's (a gate between them): a rotation each, the norm in it (weight row 0 for
+        # every q head, row 1 for every k head)
+        q = rope(qg[:, :, 0], batch.positions, None, HeadNorm(self.qk_norm, H, self.eps))
+        k = rope(k.reshape(T, self.n_kv, D), batch.positions, store, HeadNorm(self.qk_norm, 0, self.eps))
         # the gate comes between the attention and o_proj: no q8_1 copy from the attention kernel
         a, _ = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
         return self.o_proj(a.reshape(T, H * D) * torch.sigmoid(gate.float()).to(a.dtype))

@@ -38,6 +38,7 @@ from vegaserve.engine.layers.norm import RMSNorm
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
+from vegaserve.triton_kernels.fused import HeadNorm
 
 
 class DecoderLayer(nn.Module):
@@ -60,8 +61,9 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.qkv = QuantLinear(cfg.hidden_size, [q_size, kv_size, kv_size], method)
         self.o_proj = QuantLinear(q_size, [cfg.hidden_size], method)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        # q/k norm weights [2, head_dim] (q's row, k's row), applied by the rotation (one launch for both)
+        self.register_buffer("qk_norm", torch.ones(2, cfg.head_dim) if cfg.qk_norm else None, persistent=False)
+        self.eps = cfg.rms_eps
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         if cfg.moe is not None:
             self.ffn: DenseMLP | MoE = MoE(cfg.hidden_size, cfg.moe, method, tp, lane, shared_split)
@@ -98,9 +100,8 @@ class DecoderLayer(nn.Module):
         if (p + "attn_sinks.weight") in w:
             heads = slice(self.lane * self.n_heads, (self.lane + 1) * self.n_heads)
             self.sinks = w.vector(p + "attn_sinks.weight", (self.n_heads * self.comm.tp,))[heads]
-        if self.q_norm is not None:
-            self.q_norm.weight.data = w.vector(p + "attn_q_norm.weight", (hd,))
-            self.k_norm.weight.data = w.vector(p + "attn_k_norm.weight", (hd,))
+        if self.qk_norm is not None:
+            self.qk_norm = torch.stack([w.vector(p + f"attn_{n}_norm.weight", (hd,)) for n in "qk"]).float()
         # gpt-oss names the feed-forward's norm after the attention it follows
         norm = "post_attention_norm.weight" if (p + "post_attention_norm.weight") in w else "ffn_norm.weight"
         self.ffn_norm.weight.data = w.vector(p + norm, self.ffn_norm.weight.shape)
@@ -116,20 +117,15 @@ class DecoderLayer(nn.Module):
         else:
             h, x, xq = self.attn_norm.add_forward(h, delta, self.qkv.wants_q8_1(T))
         qkv = self.qkv(x, xq)
-        q, k, v = qkv.split(self.split, dim=-1)
-        v = v.view(T, self.n_kv, self.head_dim)
+        v = qkv[:, self.split[0] + self.split[1] :].view(T, self.n_kv, self.head_dim)
         # on a GPU the rotation of the keys also writes them and the values to the cache (one launch fewer)
         want = self.o_proj.wants_q8_1(T)  # the attention's output in q8_1 too, written by its decode kernel
-        if self.q_norm is None:  # q's and k's heads are adjacent in qkv: one rotation (one launch) for both
-            qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
-            store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
-            qk = rope(qk, batch.positions, store)
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        else:
-            q = self.q_norm(q.view(T, self.n_heads, self.head_dim))
-            k = self.k_norm(k.view(T, self.n_kv, self.head_dim))
-            store = kv_store(v, self.cache_layer, cache, batch, 0)
-            q, k = rope(q, batch.positions), rope(k, batch.positions, store)
+        # q's and k's heads are adjacent in qkv: one rotation (one launch, their norms in it) for both
+        qk = qkv[:, : self.split[0] + self.split[1]].view(T, self.n_heads + self.n_kv, self.head_dim)
+        store = kv_store(v, self.cache_layer, cache, batch, self.n_heads)
+        norm = None if self.qk_norm is None else HeadNorm(self.qk_norm, self.n_heads, self.eps)
+        qk = rope(qk, batch.positions, store, norm)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         a, aq = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None,
                                  want_q8_1=want, window=self.window, sinks=self.sinks)
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1), aq)),

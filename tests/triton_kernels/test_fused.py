@@ -112,6 +112,50 @@ def test_rope_with_the_cache_store_writes_what_write_kv_writes(neox, rope_dim):
         rope(qk, positions, cos, sin, rope_dim, neox, KVStore(caches[0], caches[1], slots, v, H - 1))
 
 
+@pytest.mark.parametrize("neox, rope_dim, dtype", [(False, 64, torch.float32), (True, 32, torch.float32),
+                                                    (False, 64, torch.bfloat16)],
+                         ids=["norm-full-f32", "neox-partial-f32", "norm-full-bf16"])
+def test_rope_with_head_norms_equals_each_norm_then_the_rotation(neox, rope_dim, dtype):
+    """norm: q's heads normed by q's weight and k's by k's inside the rotation (and the keys so normed in the
+    cache) equal RMSNorm of each (its output in x's type, as the norm kernel stores it) then the rotation;
+    the module's torch path gives the same bits as the two norms then the rotation."""
+    from vegaserve.engine.layers.rotary import head_norm
+    from vegaserve.triton_kernels.fused import HeadNorm, KVStore
+
+    gen = torch.Generator().manual_seed(rope_dim + 7 * neox)
+    T, H, KV, D = 3, 6, 2, 64
+    rot = RotaryEmbedding(D, rope_dim, 10000.0, 64, RopeScaling(), neox)
+    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+    qkv = (torch.randn(T, (H + 2 * KV) * D, generator=gen) * 4).to(dtype)
+    weight = torch.randn(2, D, generator=gen) + 1.0
+    norms = [RMSNorm(D, 1e-6) for _ in range(2)]
+    for n, w in zip(norms, weight, strict=True):
+        n.weight.data = w.clone()
+    positions = torch.tensor([1, 20, 47])
+    qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+    v = qkv[:, (H + KV) * D :].view(T, KV, D)
+    ref = torch.cat((rot(norms[0](qk[:, :H]), positions), rot(norms[1](qk[:, H:]), positions)), dim=1)
+    norm = HeadNorm(weight, H, 1e-6)
+    assert torch.equal(rot(qk, positions, norm=norm), ref)  # the torch path: the same ops
+    assert torch.equal(head_norm(qk[:, H:], HeadNorm(weight, 0, 1e-6)), norms[1](qk[:, H:]))
+    slots = torch.tensor([4, 0, 9])
+    cdt = torch.float16 if dtype == torch.float32 else dtype  # (bf16 activations keep a bf16 cache)
+    caches = [torch.full((10, KV, D), float("nan"), dtype=cdt, device=DEVICE) for _ in range(2)]
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    y = rope(d(qk), d(positions), cos, sin, rope_dim, neox, KVStore(*caches, d(slots), d(v), H),
+             HeadNorm(d(weight), H, 1e-6))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: a rounding apart where the sums of squares differ
+    assert y.dtype == dtype and rel(y, ref) < tol
+    assert rel(caches[0][slots].float(), ref[:, H:].to(cdt).float()) < max(tol, 1e-3)
+    assert torch.equal(caches[1][slots].cpu(), v.to(cdt)) and caches[0].isnan().sum() == (10 - T) * KV * D
+    # q alone and k alone (heads apart, as gated attention has them): row 0 for q, row 1 for k
+    q_only = rope(d(qk[:, :H]), d(positions), cos, sin, rope_dim, neox, None, HeadNorm(d(weight), H, 1e-6))
+    k_only = rope(d(qk[:, H:]), d(positions), cos, sin, rope_dim, neox, None, HeadNorm(d(weight), 0, 1e-6))
+    assert rel(q_only, ref[:, :H]) < tol and rel(k_only, ref[:, H:]) < tol
+    with pytest.raises(ValueError, match="head norm"):
+        rope(d(qk), d(positions), cos, sin, rope_dim, neox, None, HeadNorm(d(weight[0]), H, 1e-6))
+
+
 def test_silu_mul_equals_torch_over_several_column_blocks():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 2 * 1500, generator=gen) * 4
