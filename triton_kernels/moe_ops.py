@@ -5,6 +5,9 @@ torch code is their reference and the CPU path):
            gating: softmax over all E, the k largest probabilities (renormalized to sum 1 where NORM);
            else the k largest logits, softmax over them (gpt-oss). The k are taken largest first, ties to
            the lower id; a NaN logit counts as -inf, so every id is an expert and the k are distinct.
+  router   the same from the normed input x [T, H] and the router's weight [E, H] (+ bias): for a decode
+           step's few rows the logits and the choice are one launch (programs a block of experts each; the
+           last of a token's to finish chooses), else the logits through torch's matmul, then route.
   act      each assignment's gate/up [A, 2F] (+ its expert's biases) -> silu(g) * u, or gpt-oss's clamped
            SwiGLU min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1), with its q8_1 copy for the
            down projection's int8 kernels where asked.
@@ -23,14 +26,9 @@ from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
-                  E_P2: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl.let_next_start(PDL)
-    pdl.wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_P2)
-    live = e < E
-    x = tl.load(logits_ptr + t * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+def _top_k(x, e, w_ptr, ids_ptr, t, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+           SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+    """One token's logits x [E_P2] (-inf past E) -> its k weights and ids, stored at row t."""
     x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf
     if SOFTMAX:
         x = tl.exp(x - tl.max(x, 0))
@@ -58,6 +56,50 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2
     tl.store(ids_ptr + t * K + kk, idx.to(tl.int64), mask=chosen)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    _top_k(x, e, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM)
+
+
+@triton.jit
+def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, E, H, stride_x,
+                   K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, SOFTMAX: tl.constexpr,
+                   NORM: tl.constexpr, BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Token program_id(0), experts program_id(1) * BLOCK_E onwards: their logits x . r_e (+ b_e) in f32
+    into the token's row of `logits`; then a ticket on the token's counter, and the program that draws the
+    last one chooses the token's k from the whole row (_top_k) and sets the counter back to 0 for the next
+    launch. The ticket is an acquire-release atomic: every program's logits are visible to the last."""
+    pdl.let_next_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    live = e < E
+    hh = tl.arange(0, BLOCK_H)
+    pdl.wait_for_inputs(PDL)
+    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + hh
+        xv = tl.load(x_ptr + t * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
+        rv = tl.load(r_ptr + e[:, None] * H + h[None, :], mask=live[:, None] & (h < H)[None, :], other=0.0)
+        acc += rv * xv[None, :]
+    logit = tl.sum(acc, 1)
+    if BIAS:
+        logit += tl.load(b_ptr + e, mask=live, other=0.0)
+    tl.store(logits_ptr + t * E + e, logit, mask=live)
+    ticket = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if ticket == tl.num_programs(1) - 1:
+        tl.store(count_ptr + t, 0)
+        ee = tl.arange(0, E_P2)
+        row = tl.load(logits_ptr + t * E + ee, mask=ee < E, other=float("-inf"), volatile=True)
+        _top_k(row, ee, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM)
+
+
 def route(logits: torch.Tensor, k: int, softmax: bool, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] f32, ids [T, k] int64), 1 <= k <= E."""
     T, E = logits.shape
@@ -69,6 +111,43 @@ def route(logits: torch.Tensor, k: int, softmax: bool, norm: bool) -> tuple[torc
         _route_kernel[(T,)](logits, w, ids, E, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
                             E_P2=triton.next_power_of_2(E), SOFTMAX=softmax, NORM=norm,
                             **pdl.launch_args(logits.device))
+    return w, ids
+
+
+ROUTER_ROWS = 8  # rows (tokens) up to which the router's logits and choice are one launch: a decode step's
+ROUTER_TILE = 4096  # weights a program multiplies at a time (BLOCK_E x BLOCK_H)
+
+
+def router_counters(device: torch.device) -> torch.Tensor:
+    """The tickets of `router`'s fused launch, one a row, zero between launches: a layer keeps its own (a
+    decode graph captures their address)."""
+    return torch.zeros(ROUTER_ROWS, dtype=torch.int32, device=device)
+
+
+def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, softmax: bool, norm: bool,
+           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (unit stride over H), weight [E, H] f32 contiguous, bias [E] f32 or None -> route of the
+    logits x weight^T (+ bias) in f32: (weights [T, k] f32, ids [T, k] int64). Up to ROUTER_ROWS rows one
+    launch; more, torch's matmul then route. counters: router_counters of this layer."""
+    T, H = x.shape
+    E = weight.shape[0]
+    if weight.shape != (E, H) or not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"router: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}")
+    if T > ROUTER_ROWS:
+        return route(torch.nn.functional.linear(x.float(), weight, bias), k, softmax, norm)
+    if not 1 <= k <= E:
+        raise ValueError(f"route: top {k} of {E} experts")
+    w = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    if T:
+        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        # about eight programs a token: 128 experts of 2048 at 16 a program read 128 KB each
+        block_e = min(32, max(4, triton.next_power_of_2(triton.cdiv(E, 8))))
+        block_h = min(ROUTER_TILE // block_e, triton.next_power_of_2(H))
+        _router_kernel[(T, triton.cdiv(E, block_e))](
+            x, weight, bias if bias is not None else weight, logits, counters, w, ids, E, H, x.stride(0),
+            K=k, K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(E), SOFTMAX=softmax, NORM=norm,
+            BIAS=bias is not None, BLOCK_E=block_e, BLOCK_H=block_h, **pdl.launch_args(x.device))
     return w, ids
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod, WeightSource, check_shape
 from vegaserve.engine.models.arch_config import MoEConfig
+from vegaserve.triton_kernels.moe_ops import router_counters
 
 
 class ExpertLinear(nn.Module):
@@ -99,6 +100,7 @@ class MoE(nn.Module):
         self.method = method
         self.shared_tp = tp if shared_split else 1
         self.router = torch.empty(0)  # [E, H] f32
+        self.router_tickets = torch.empty(0)  # the fused router launch's (moe_ops.router_counters)
         self.router_bias: torch.Tensor | None = None
         # the even shares until load reads the down projections' blocks
         self._experts(cfg.expert_ff // tp)
@@ -124,7 +126,8 @@ class MoE(nn.Module):
         )
 
         cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
-        self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden))
+        self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden)).float().contiguous()
+        self.router_tickets = router_counters(self.router.device)
         bias = cfg.biases
         if bias:
             self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
@@ -176,14 +179,15 @@ class MoE(nn.Module):
         return out
 
     def _forward_kernels(self, x: torch.Tensor, xq) -> torch.Tensor:
-        """forward on a GPU: the routing, the experts' activation and the weighted sum one launch each
-        (triton_kernels/moe_ops.py), the activation writing the down projection's q8_1 input."""
+        """forward on a GPU: the router (its logits too, for a decode step's rows), the experts' activation and
+        the weighted sum one launch each (triton_kernels/moe_ops.py), the activation writing the down
+        projection's q8_1 input."""
         from vegaserve.engine.layers.norm import silu_mul_q8_1
         from vegaserve.triton_kernels import moe_ops
 
         cfg, T, k = self.cfg, x.shape[0], self.cfg.used
-        logits = F.linear(x.float(), self.router, self.router_bias)
-        weights, ids = moe_ops.route(logits, k, cfg.gating == "softmax", cfg.norm_topk)
+        weights, ids = moe_ops.router(x, self.router, self.router_bias, k, cfg.gating == "softmax", cfg.norm_topk,
+                                      self.router_tickets)
         a = ids.reshape(-1)
         gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq)
         want = self.down.wants_q8_1(T)

@@ -10,7 +10,7 @@ import torch
 
 from vegaserve.engine.layers import moe as layer
 from vegaserve.engine.models.arch_config import MoEConfig
-from vegaserve.triton_kernels.moe_ops import combine, expert_act, route
+from vegaserve.triton_kernels.moe_ops import ROUTER_ROWS, combine, expert_act, route, router, router_counters
 from vegaserve.triton_kernels.q8_1 import reference_quantize_q8_1
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +41,32 @@ def test_routing_takes_every_id_from_the_experts_whatever_the_logits():
         assert ids[2].tolist() == [0, 1, 2]  # ties go to the lower id
         if not softmax:  # (a softmax over an infinite logit is NaN throughout, as torch's)
             assert ids[3].tolist() == [3, 2, 5]  # +inf first, NaN as -inf
+
+
+@pytest.mark.parametrize("gating, norm, bias", [("softmax", True, False), ("topk_softmax", False, True)],
+                         ids=["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("T", [1, 3, ROUTER_ROWS, ROUTER_ROWS + 1])
+def test_router_equals_the_layers_logits_then_routing(gating, norm, bias, T):
+    """router: the logits x W^T (+ b) and the choice, one launch up to ROUTER_ROWS rows (12 experts over 3
+    programs of 4 a token, the last to finish choosing), torch's matmul then route above; the same ids as the
+    layer's torch code on float64 logits and its weights, twice in a row (the tickets go back to zero)."""
+    gen = torch.Generator().manual_seed(T + 10 * bias)
+    E, H, k = 12, 1500, 4  # H past one BLOCK_H (1024 at 4 experts a program) of the fused launch's loop
+    x = torch.randn(T, H, generator=gen)
+    weight = torch.randn(E, H, generator=gen) / 8
+    b = torch.randn(E, generator=gen) if bias else None
+    cfg = MoEConfig(experts=E, used=k, expert_ff=8, gating=gating, norm_topk=norm)
+    logits = (x.double() @ weight.double().T + (b.double() if bias else 0)).float()
+    want_w, want_ids = layer.route(logits, cfg)
+    counters = router_counters(torch.device(DEVICE))
+    d = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    for _ in range(2):
+        w, ids = router(d(x), d(weight), d(b), k, gating == "softmax", norm, counters)
+        assert torch.equal(ids.cpu(), want_ids)
+        assert torch.allclose(w.cpu(), want_w, rtol=1e-5, atol=1e-6)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="router"):
+        router(d(x), d(weight[:, :-1]), None, k, True, True, counters)
 
 
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
