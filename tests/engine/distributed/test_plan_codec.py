@@ -65,10 +65,10 @@ def test_a_growing_sequence_sends_only_its_new_blocks() -> None:
     dec.decode(pickle.loads(pickle.dumps(enc.encode(_plan({"a": (blocks, 0)})))))
     wire = enc.encode(_plan({"a": (blocks + [100], 16)}))
     assert isinstance(wire, PlanChanges)
-    assert wire.kept == (100,) and wire.plan.seqs[0][0] == [100]
+    assert wire.kept == (100,) and wire.seqs[0][0] == [100]
     assert dec.decode(pickle.loads(pickle.dumps(wire))).seqs[0][0] == blocks + [100]
     same = enc.encode(_plan({"a": (blocks + [100], 17)}))
-    assert same.plan.seqs[0][0] == [] and same.kept == (101,)
+    assert same.seqs[0][0] == [] and same.kept == (101,)
 
 
 def test_a_list_whose_last_kept_block_differs_is_sent_whole() -> None:
@@ -102,3 +102,12 @@ def test_keys_must_be_distinct_and_one_a_sequence() -> None:
         enc.encode(plan)
     with pytest.raises(ValueError, match="distinct keys"):
         enc.encode(StepPlan([([1], 0, [1])], [False], 16, keys=("a", "b")))
+
+
+def test_the_wire_form_carries_every_field_of_a_step_plan() -> None:
+    """PlanChanges is StepPlan's fields flat, kept first: a field added to StepPlan must be added there too."""
+    from dataclasses import fields
+
+    from vegaserve.engine.forward_batch import StepPlan
+
+    assert PlanChanges._fields == ("kept", *(f.name for f in fields(StepPlan)))
