@@ -144,20 +144,27 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
     sin = tl.load(sin_ptr + p * (ROT // 2) + i, mask=i < ROT // 2, other=0.0)
     if STORE:
         s = tl.load(slot_ptr + t).to(tl.int64)
-    pdl.wait_for_inputs(PDL)
     if NEOX:
         ia = i
         ib = i + ROT // 2
     else:
         ia = 2 * i
         ib = 2 * i + 1
+    if REST > 0:
+        j = ROT + tl.arange(0, REST)[None, :]
+        keep = (h < H) & (j < D)
+    if NORM:  # the norm's weights, the layer's own: before the wait too
+        wrow = nw_ptr + (h >= NORM_K).to(tl.int32) * D
+        wa = tl.load(wrow + ia, mask=live, other=0.0)
+        wb = tl.load(wrow + ib, mask=live, other=0.0)
+        if REST > 0:
+            wr = tl.load(wrow + j, mask=keep, other=0.0)
+    pdl.wait_for_inputs(PDL)
     src = x_ptr + t * stride_xt + h * stride_xh
     dst = y_ptr + (t * H + h) * D
     a = tl.load(src + ia, mask=live, other=0.0).to(tl.float32)
     b = tl.load(src + ib, mask=live, other=0.0).to(tl.float32)
     if REST > 0:
-        j = ROT + tl.arange(0, REST)[None, :]
-        keep = (h < H) & (j < D)
         rest = tl.load(src + j, mask=keep, other=0.0)
     if NORM:
         ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
@@ -165,11 +172,10 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, 
             rf = rest.to(tl.float32)
             ss += tl.sum(rf * rf, axis=1)
         r = (1.0 / tl.sqrt(ss / D + eps))[:, None]
-        wrow = nw_ptr + (h >= NORM_K).to(tl.int32) * D
-        a = (a * r * tl.load(wrow + ia, mask=live, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        b = (b * r * tl.load(wrow + ib, mask=live, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        a = (a * r * wa).to(x_ptr.dtype.element_ty).to(tl.float32)
+        b = (b * r * wb).to(x_ptr.dtype.element_ty).to(tl.float32)
         if REST > 0:
-            rest = (rf * r * tl.load(wrow + j, mask=keep, other=0.0)).to(x_ptr.dtype.element_ty)
+            rest = (rf * r * wr).to(x_ptr.dtype.element_ty)
     ra, rb = rotate_pair(a, b, cos, sin)
     ra = ra.to(y_ptr.dtype.element_ty)
     rb = rb.to(y_ptr.dtype.element_ty)
