@@ -34,7 +34,9 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model(torch.tensor([ids]), use_cache=True)
         for _ in range(n):
             seq.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([seq[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            # (transformers 5 names the cache `cache`, in and out; before it, `past_key_values`)
+            cache = {"cache": out["cache"]} if "cache" in out else {"past_key_values": out.past_key_values}
+            out = model(torch.tensor([seq[-1:]]), use_cache=True, **cache)
     return seq
 
 
