@@ -136,7 +136,9 @@ def torch_attention(
             lo = max(0, end_i - window) if window else 0
             kr, vr = (ks, vs) if lo == 0 and end_i == end else (ks[:, lo:end_i], vs[:, lo:end_i])
             rows_out.append(_attend_row(q[s.offset + i], kr, vr, scale, sinks))
-    return rows_out[0].unsqueeze(0) if len(rows_out) == 1 else torch.stack(rows_out)
+    if len(rows_out) == 1:
+        return rows_out[0].unsqueeze(0)
+    return torch.stack(rows_out) if rows_out else torch.empty_like(q)
 
 
 def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
