@@ -37,46 +37,93 @@ class PlanChanges(NamedTuple):
     keys: tuple[object, ...]
 
 
+class PlanSteady(NamedTuple):
+    """A keyed StepPlan whose keys are the last keyed plan's, in the same order (a decode step like the one
+    before): no keys and no block lists but those whose length or last block changed, sequence `changed[j]`
+    keeping `kept[j]` of its blocks and adding `tails[j]`; the starts and tokens as flat lists. Built and
+    rebuilt by list comprehensions and zip, without a Python loop over the sequences: at 16 sequences
+    about 17 us from encoding to decoded where PlanChanges took 62 (one process, the 2-core VM)."""
+
+    changed: list[int]
+    kept: list[int]
+    tails: list[list[int]]
+    starts: list[int]
+    tokens: list[list[int]]
+    all_logits: list[bool]
+    block_size: int
+    state_slots: tuple[int, ...]
+    snapshot: tuple[int, ...]
+    rollback: tuple[tuple[int, int], ...]
+
+
+def _kept(old: list[int], blocks: list[int]) -> int:
+    """How many of `blocks` a receiver holding `old` for the same key keeps: the shorter list's length, or 0
+    where its last block differs (the list goes whole)."""
+    n = min(len(old), len(blocks))
+    return n if n and blocks[n - 1] == old[n - 1] else 0
+
+
 class PlanEncoder:
     """Rank 0's end."""
 
     def __init__(self) -> None:
-        self.last: dict[object, list[int]] = {}
+        self.keys: tuple[object, ...] = ()  # the last keyed plan's keys, its block lists, their lengths and
+        self.blocks: list[list[int]] = []  # last blocks
+        self.ends: list[tuple[int, int]] = []
 
     def encode(self, msg: object) -> object:
         if not isinstance(msg, StepPlan) or not msg.keys:
             return msg
-        keys = msg.keys
-        if len(keys) != len(msg.seqs) or len(set(keys)) != len(keys):
-            raise ValueError(f"a plan of {len(msg.seqs)} sequences needs as many distinct keys, got {keys}")
-        last, kept, seqs = self.last, [], []
-        for key, (blocks, start, tokens) in zip(keys, msg.seqs, strict=True):
-            old = last.get(key)
-            n = 0 if old is None else min(len(old), len(blocks))
-            if n and blocks[n - 1] != old[n - 1]:
-                n = 0
-            kept.append(n)
-            seqs.append((blocks[n:], start, tokens))
-        self.last = dict(zip(keys, [blocks for blocks, _, _ in msg.seqs], strict=True))
-        return PlanChanges(tuple(kept), seqs, msg.all_logits, msg.block_size, msg.state_slots, msg.snapshot,
-                           msg.rollback, keys)
+        keys, mseqs = msg.keys, msg.seqs
+        if len(keys) != len(mseqs) or len(set(keys)) != len(keys):
+            raise ValueError(f"a plan of {len(mseqs)} sequences needs as many distinct keys, got {keys}")
+        blocks = [b for b, _, _ in mseqs]
+        ends = [(len(b), b[-1] if b else -1) for b in blocks]
+        if keys == self.keys:
+            old_ends, old = self.ends, self.blocks
+            changed = [] if ends == old_ends else [i for i, (a, b) in enumerate(zip(ends, old_ends)) if a != b]
+            kept = [_kept(old[i], blocks[i]) for i in changed]
+            wire: object = PlanSteady(changed, kept, [blocks[i][n:] for i, n in zip(changed, kept)],
+                                      [s for _, s, _ in mseqs], [t for _, _, t in mseqs], msg.all_logits,
+                                      msg.block_size, msg.state_slots, msg.snapshot, msg.rollback)
+        else:
+            last = dict(zip(self.keys, self.blocks))
+            kept, seqs = [], []
+            for key, (b, start, tokens) in zip(keys, mseqs, strict=True):
+                old_b = last.get(key)
+                n = 0 if old_b is None else _kept(old_b, b)
+                kept.append(n)
+                seqs.append((b[n:], start, tokens))
+            wire = PlanChanges(tuple(kept), seqs, msg.all_logits, msg.block_size, msg.state_slots, msg.snapshot,
+                               msg.rollback, keys)
+        self.keys, self.blocks, self.ends = keys, blocks, ends
+        return wire
 
 
 class PlanDecoder:
     """Every other rank's end."""
 
     def __init__(self) -> None:
-        self.last: dict[object, list[int]] = {}
+        self.keys: tuple[object, ...] = ()
+        self.blocks: list[list[int]] = []
 
     def decode(self, msg: object) -> object:
+        if isinstance(msg, PlanSteady):
+            blocks = list(self.blocks)
+            for i, n, tail in zip(msg.changed, msg.kept, msg.tails, strict=True):
+                old = blocks[i]
+                blocks[i] = (old if n == len(old) else old[:n]) + tail
+            self.blocks = blocks
+            return StepPlan(list(zip(blocks, msg.starts, msg.tokens, strict=True)), msg.all_logits, msg.block_size,
+                            msg.state_slots, msg.snapshot, msg.rollback, self.keys)
         if not isinstance(msg, PlanChanges):
             return msg
-        last, seqs = self.last, []
+        last, seqs = dict(zip(self.keys, self.blocks)), []
         for key, n, (tail, start, tokens) in zip(msg.keys, msg.kept, msg.seqs, strict=True):
             if n:
                 old = last[key]
                 tail = (old if n == len(old) else old[:n]) + tail
             seqs.append((tail, start, tokens))
-        self.last = dict(zip(msg.keys, [blocks for blocks, _, _ in seqs], strict=True))
+        self.keys, self.blocks = msg.keys, [b for b, _, _ in seqs]
         return StepPlan(seqs, msg.all_logits, msg.block_size, msg.state_slots, msg.snapshot, msg.rollback,
                         msg.keys)

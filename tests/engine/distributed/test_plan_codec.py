@@ -1,7 +1,8 @@
 """Keyed step plans sent as changes (engine/distributed/plan_codec.py): through pickling, as on the ring or
 gloo, every receiver rebuilds exactly the plan rank 0 sent, over steps where sequences grow, join, skip a
-step, come back with a new block table, give blocks back and change order; a growing sequence sends only its
-new blocks; other messages pass as they are."""
+step, come back with a new block table, give blocks back and change order, and over runs of steps with the
+same sequences in the same order (the steady form); a growing sequence sends only its new blocks; other
+messages pass as they are."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 
-from vegaserve.engine.distributed.plan_codec import PlanChanges, PlanDecoder, PlanEncoder
+from vegaserve.engine.distributed.plan_codec import PlanChanges, PlanDecoder, PlanEncoder, PlanSteady
 from vegaserve.engine.forward_batch import MtpPlan, StepPlan
 
 
@@ -64,11 +65,14 @@ def test_a_growing_sequence_sends_only_its_new_blocks() -> None:
     blocks = list(range(100))
     dec.decode(pickle.loads(pickle.dumps(enc.encode(_plan({"a": (blocks, 0)})))))
     wire = enc.encode(_plan({"a": (blocks + [100], 16)}))
-    assert isinstance(wire, PlanChanges)
-    assert wire.kept == (100,) and wire.seqs[0][0] == [100]
+    assert isinstance(wire, PlanSteady)  # the same key as the last plan's
+    assert wire.changed == [0] and wire.kept == [100] and wire.tails == [[100]]
     assert dec.decode(pickle.loads(pickle.dumps(wire))).seqs[0][0] == blocks + [100]
     same = enc.encode(_plan({"a": (blocks + [100], 17)}))
-    assert same.seqs[0][0] == [] and same.kept == (101,)
+    assert same.changed == [] and same.tails == [] and same.starts == [17]
+    assert dec.decode(pickle.loads(pickle.dumps(same))).seqs == [(blocks + [100], 17, [7])]
+    joined = enc.encode(_plan({"a": (blocks + [100], 18), "b": ([5], 0)}))  # another key: the keyed form
+    assert isinstance(joined, PlanChanges) and joined.kept == (101, 0)
 
 
 def test_a_list_whose_last_kept_block_differs_is_sent_whole() -> None:
@@ -76,8 +80,12 @@ def test_a_list_whose_last_kept_block_differs_is_sent_whole() -> None:
     dec.decode(enc.encode(_plan({"a": ([1, 2, 3], 0)})))
     other = _plan({"a": ([1, 2, 9, 10], 16)})
     wire = enc.encode(other)
-    assert wire.kept == (0,)
+    assert wire.kept == [0] and wire.tails == [[1, 2, 9, 10]]
     assert dec.decode(pickle.loads(pickle.dumps(wire))) == other
+    swapped = _plan({"a": ([1, 2, 9, 11], 17)})  # the same length, another last block (a tail given back and
+    wire = enc.encode(swapped)  # taken again between two plans): sent whole too
+    assert wire.changed == [0] and wire.kept == [0]
+    assert dec.decode(pickle.loads(pickle.dumps(wire))) == swapped
 
 
 def test_other_messages_pass_as_they_are_and_leave_the_state() -> None:
@@ -91,7 +99,7 @@ def test_other_messages_pass_as_they_are_and_leave_the_state() -> None:
         assert dec.decode(msg) is msg
     nxt = _plan({"a": ([1, 2, 3], 16)})
     wire = enc.encode(nxt)
-    assert wire.kept == (2,)
+    assert wire.kept == [2]
     assert dec.decode(wire) == nxt
 
 
@@ -110,4 +118,40 @@ def test_the_wire_form_carries_every_field_of_a_step_plan() -> None:
 
     from vegaserve.engine.forward_batch import StepPlan
 
-    assert PlanChanges._fields == ("kept", *(f.name for f in fields(StepPlan)))
+    names = [f.name for f in fields(StepPlan)]
+    assert PlanChanges._fields == ("kept", *names)
+    assert PlanSteady._fields == ("changed", "kept", "tails", "starts", "tokens",
+                                  *(n for n in names if n not in ("seqs", "keys")))
+
+
+def test_a_run_of_steady_steps_is_rebuilt_exactly() -> None:
+    """The same keys in the same order for steps on end, each sequence now and then growing into a block,
+    giving its last back, or both between two plans (the same length, another last block), a step or two
+    with a sequence joining or leaving between runs: every receiver rebuilds every plan, and the runs go in
+    the steady form."""
+    rng = random.Random(5)
+    enc, decs = PlanEncoder(), [PlanDecoder(), PlanDecoder()]
+    live = {f"r{i}": (list(range(10 * i, 10 * i + 3)), 40) for i in range(8)}
+    next_block, steady = 1000, 0
+    for step in range(300):
+        if step % 50 == 49:  # one leaves, another joins: a keyed plan, then steady again
+            live.pop(next(iter(live)))
+            live[f"n{step}"] = ([next_block], 0)
+            next_block += 1
+        for key, (blocks, start) in list(live.items()):
+            r = rng.random()
+            if r < 0.1:
+                blocks = blocks + [next_block]
+                next_block += 1
+            elif r < 0.15 and len(blocks) > 1:
+                blocks = blocks[:-1]
+            elif r < 0.2:
+                blocks = blocks[:-1] + [next_block]
+                next_block += 1
+            live[key] = (blocks, start + 1)
+        plan = _plan(live)
+        wire = pickle.dumps(enc.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
+        steady += isinstance(pickle.loads(wire), PlanSteady)
+        for d in decs:
+            assert d.decode(pickle.loads(wire)) == plan, f"step {step}"
+    assert steady >= 290
