@@ -9,7 +9,9 @@ blocks of that key's list in the last keyed plan stay, the blocks after them); e
 lists from its copy of the last keyed plan. A block table only grows or gives back its tail (speculative
 decoding's rejected guesses), so the blocks that stay are the shorter list's length, found without reading
 the lists (a last kept block that differs sends the list whole). Both ends keep exactly the last keyed plan's
-lists: a key that skips a step is sent whole. Plans without keys (a draft model's, the MTP block's) and every
+lists: a key that skips a step is sent whole. A plan with the last one's keys in the same order (decode
+after decode, nothing admitted or finished) goes as PlanSteady: no keys, and the block lists only of the
+sequences whose length or last block changed. Plans without keys (a draft model's, the MTP block's) and every
 other message travel as they are.
 
 Every receiver must see every message, in order, as the ring (plan_ring.py) and gloo's broadcast deliver.
