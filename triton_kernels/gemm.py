@@ -136,7 +136,8 @@ def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
     types, of 64 elements for the others with three stages. The best or within 11% of it on an H100 at
     16-128 rows on the Llama-3-8B shapes (the kernel is register-bound at two programs an SM, so small
     tiles, split K and pipelined loads are what feed it). Q4_K on the wide grid at 33-64 rows: a product a
-    sub-block (`sub`): 80.8 against 103.3 us at 64 rows on 28672x4096 (H100, the same launch otherwise).
+    sub-block (`sub`): 93.2 against 103.0 us at 64 rows and 90.3 against 102.7 at 40 on 28672x4096 (H200,
+    the same launch otherwise; its prototype 80.8 against 103.3 us at 64 rows on an H100).
     On the narrower Llama-3-8B shapes it was within 5% (slower at 16 rows on 6144x4096); at 16 rows on
     28672x4096 it was fastest with x on the M side and K split in two (62.0 against 84.0 us), a launch this
     kernel does not have, and with this launch not among the eight fastest."""

@@ -26,8 +26,8 @@ from vegaserve.engine.forward_batch import StepPlan
 
 class PlanChanges(NamedTuple):
     """A keyed StepPlan on the wire: its fields flat, each block list cut to its new blocks, `kept[i]` the
-    blocks before them, taken from key i's list in the last keyed plan. (A tuple of plain values pickles in
-    about half the time of the dataclasses it replaces, and unpickles in a third.)"""
+    blocks before them, taken from key i's list in the last keyed plan. (A tuple of plain values: at 16
+    sequences pickled in 6.2 us and unpickled in 4.6 where the dataclasses it replaces took 8.6 and 6.4.)"""
 
     kept: tuple[int, ...]
     seqs: list[tuple[list[int], int, list[int]]]
@@ -44,7 +44,7 @@ class PlanSteady(NamedTuple):
     before): no keys and no block lists but those whose length or last block changed, sequence `changed[j]`
     keeping `kept[j]` of its blocks and adding `tails[j]`; the starts and tokens as flat lists. Built and
     rebuilt by list comprehensions and zip, without a Python loop over the sequences: at 16 sequences
-    about 17 us from encoding to decoded where PlanChanges took 62 (one process, the 2-core VM)."""
+    19.8 us from encoding to decoded where PlanChanges took 37 (one process, the 2-core VM)."""
 
     changed: list[int]
     kept: list[int]

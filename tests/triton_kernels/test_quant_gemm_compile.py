@@ -1,7 +1,8 @@
 """The quantized GEMM (gemm._gemm_kernel) compiles for an NVIDIA sm_90 and an AMD gfx906 target, plain and
 grouped (a stack of experts), with the launch parameters the rule gives at 16 rows, for a super-block type and
-a 32-element one, and Q4_K's product a sub-block (the rule's launch at 64 rows on a wide matrix): tl.dot on bf16 there, on fp16 on gfx906 (no matrix cores: the dot is FMA; what it costs
-there is not measured, and the gfx906 fallback does not select the GEMM yet). These compilers need no GPU.
+a 32-element one, and Q4_K's product a sub-block (the rule's launch at 64 rows on a wide matrix): tl.dot on
+bf16 there, on fp16 on gfx906 (no matrix cores: the dot is FMA; what it costs there is not measured, and the
+gfx906 fallback does not select the GEMM yet). These compilers need no GPU.
 
 Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions).
 """
