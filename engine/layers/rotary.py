@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vegaserve.engine.layers.norm import torch_rms_norm
 from vegaserve.engine.models.arch_config import RopeScaling
 from vegaserve.triton_kernels.fused import HeadNorm
 
@@ -114,8 +114,8 @@ class RotaryEmbedding(nn.Module):
 
 def head_norm(x: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
     """x [T, H, D] with each head RMS-normed as norm says (the torch form of rope's `norm`): heads below
-    norm.first_k by weight row 0, the others by row 1, each as layers/norm.py RMSNorm computes it."""
-    k, eps = norm.first_k, norm.eps
-    parts = [F.rms_norm(p.float(), (p.shape[-1],), w, eps).to(x.dtype)
-             for p, w in ((x[:, :k], norm.weight[0]), (x[:, k:], norm.weight[1])) if p.shape[1]]
+    norm.first_k by weight row 0, the others by row 1, by RMSNorm's own CPU norm (norm.torch_rms_norm)."""
+    k = norm.first_k
+    parts = [torch_rms_norm(p, w, norm.eps) for p, w in ((x[:, :k], norm.weight[0]), (x[:, k:], norm.weight[1]))
+             if p.shape[1]]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
