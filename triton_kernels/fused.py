@@ -8,9 +8,10 @@ its inputs once and writes its output once, in f32 arithmetic.
 Torch references (the CPU path, and what these are tested against): engine/layers/norm.py RMSNorm
 (and h + delta before it), engine/layers/rotary.py RotaryEmbedding, and F.silu(gate) * up.
 
-RMSNorm and SiLU-mul also write the q8_1 copy of their output when asked (`q8_1=True`: the input of the
-int8-dot mat-vecs after them in a decode step), the same bytes quantize_q8_1 of the output would give,
-without its launch.
+The residual add's RMSNorm also takes a mixture-of-experts layer's output unsummed (moe_ops.ExpertSum) and
+sums it in the same launch. RMSNorm and SiLU-mul also write the q8_1 copy of their output when asked
+(`q8_1=True`: the input of the int8-dot mat-vecs after them in a decode step), the same bytes quantize_q8_1
+of the output would give, without its launch.
 """
 
 from __future__ import annotations
@@ -23,18 +24,23 @@ import triton.language as tl
 
 from vegaserve.triton_kernels import pdl
 from vegaserve.triton_kernels.attention_common import rotate_pair, to_cache
+from vegaserve.triton_kernels.moe_ops import ExpertSum, expert_sum
 from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, stride_x, stride_d, stride_y, N,
-                     eps, BLOCK: tl.constexpr, SLICE: tl.constexpr, ADD: tl.constexpr, Q8: tl.constexpr,
+                     eps, ey_ptr, ew_ptr, eid_ptr, eb_ptr, es_ptr, eg_ptr,
+                     BLOCK: tl.constexpr, SLICE: tl.constexpr, ADD: tl.constexpr, Q8: tl.constexpr,
+                     EXPERTS: tl.constexpr, K: tl.constexpr, EBIAS: tl.constexpr, ESHARED: tl.constexpr,
                      PDL: tl.constexpr):
     """Row program_id(0), its columns [program_id(1) * SLICE, + SLICE): y = norm(x) * w; with ADD, h = x +
     delta is written and normed (the residual stream); with Q8, y's q8_1 too (of y as stored, in y's type).
-    Each program sums the squares of the whole row (the same sum in every program of the row) and writes
-    only its slice, so a decode token's norm and quantization spread over N / SLICE programs (one program
-    quantizing a 4096-wide row alone took as long as a launch of its own)."""
+    With EXPERTS the delta is a mixture-of-experts layer's ExpertSum (the e* pointers, K experts a token),
+    summed here by moe_ops.expert_sum as its combine launch would. Each program sums the squares of the
+    whole row (the same sum in every program of the row) and writes only its slice, so a decode token's
+    norm and quantization spread over N / SLICE programs (one program quantizing a 4096-wide row alone took
+    as long as a launch of its own)."""
     pdl.let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
@@ -43,7 +49,10 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, s
     pdl.wait_for_inputs(PDL)
     cols = tl.arange(0, BLOCK)
     whole = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
-    if ADD:
+    if EXPERTS:
+        whole = whole + expert_sum(ey_ptr, ew_ptr, eid_ptr, eb_ptr, es_ptr, eg_ptr, row, cols, cols < N, N, K,
+                                   BLOCK, EBIAS, ESHARED)
+    elif ADD:
         whole = whole + tl.load(d_ptr + row * stride_d + cols, mask=cols < N, other=0.0)
     wf = whole.to(tl.float32)
     ss = tl.sum(wf * wf, axis=0)
@@ -51,7 +60,10 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, s
         x = whole
     else:
         x = tl.load(x_ptr + row * stride_x + sc, mask=mine, other=0.0)
-        if ADD:
+        if EXPERTS:
+            x = x + expert_sum(ey_ptr, ew_ptr, eid_ptr, eb_ptr, es_ptr, eg_ptr, row, sc, mine, N, K, SLICE, EBIAS,
+                               ESHARED)
+        elif ADD:
             x = x + tl.load(d_ptr + row * stride_d + sc, mask=mine, other=0.0)
     if ADD:
         tl.store(h_ptr + row * N + sc, x, mask=mine)
@@ -66,15 +78,18 @@ def _rms_norm_kernel(x_ptr, d_ptr, h_ptr, w_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, s
 _NORM_SLICE = 512  # columns a program writes when the norm also quantizes (decode): 8 programs for 4096
 
 
-def _launch_norm(x, delta, h, weight, y, q8, eps, add: bool) -> None:
+def _launch_norm(x, delta, h, weight, y, q8, eps, add: bool, experts: ExpertSum | None = None) -> None:
     T, N = x.shape
     block = triton.next_power_of_2(N)
     # with the q8_1 copy (a decode step) the row spreads over programs; else one program a row (prefill
     # rows are many)
     sl = min(block, _NORM_SLICE) if q8 is not None else block
     _rms_norm_kernel[(T, triton.cdiv(N, sl))](
-        x, delta, h, weight, y, *(q8 or (y, y, y)), x.stride(0), delta.stride(0) if add else 0, y.stride(0), N,
-        eps, BLOCK=block, SLICE=sl, ADD=add, Q8=q8 is not None, **pdl.launch_args(x.device))
+        x, delta, h, weight, y, *(q8 or (y, y, y)), x.stride(0), delta.stride(0) if add and experts is None else 0,
+        y.stride(0), N, eps, *(experts.pointers() if experts is not None else (x,) * 6), BLOCK=block, SLICE=sl,
+        ADD=add, Q8=q8 is not None, EXPERTS=experts is not None, K=experts.weights.shape[1] if experts else 1,
+        EBIAS=experts is not None and experts.bias is not None,
+        ESHARED=experts is not None and experts.shared is not None, **pdl.launch_args(x.device))
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -98,21 +113,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, q8_1: bool = Fal
     return (y, q8) if q8_1 else y
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | ExpertSum, weight: torch.Tensor, eps: float,
                  q8_1: bool = False) -> tuple[torch.Tensor, ...]:
     """h = x + delta and rms_norm(h), in one launch: (h [T, N] contiguous, norm [T, N]), both in x's type,
-    which delta must share (so that h is exactly torch's x + delta); with q8_1, (h, norm, norm's q8_1)."""
+    which delta must share (so that h is exactly torch's x + delta); with q8_1, (h, norm, norm's q8_1).
+    delta may be a mixture-of-experts layer's ExpertSum (x f32): its sum is taken in this launch, the same
+    bits as x + moe_ops.combine(*delta)."""
     _check_rows("add_rms_norm", x)
-    _check_rows("add_rms_norm", delta)
-    if delta.shape != x.shape or delta.dtype != x.dtype:
-        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and delta {tuple(delta.shape)} "
-                         f"{delta.dtype} differ")
+    if isinstance(delta, ExpertSum):
+        T, _, H = delta.check()
+        if (T, H) != tuple(x.shape) or x.dtype != torch.float32:
+            raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and the experts' sum [{T}, {H}] f32 "
+                             "differ")
+        experts = delta
+        delta = x
+    else:
+        experts = None
+        _check_rows("add_rms_norm", delta)
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and delta {tuple(delta.shape)} "
+                             f"{delta.dtype} differ")
     T, N = x.shape
     h = torch.empty(T, N, dtype=x.dtype, device=x.device)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     q8 = _q8_1_out(q8_1, T, N, x)
     if T:
-        _launch_norm(x, delta, h, weight, y, q8, eps, add=True)
+        _launch_norm(x, delta, h, weight, y, q8, eps, add=True, experts=experts)
     return (h, y, q8) if q8_1 else (h, y)
 
 

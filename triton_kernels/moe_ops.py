@@ -13,9 +13,13 @@ torch code is their reference and the CPU path):
            down projection's int8 kernels where asked.
   combine  out[t] = sum_j w[t, j] (y[t k + j] + b[ids[t k + j]]) (+ sigmoid(s[t]) shared[t]): the token's k
            experts' outputs with their weights and the down biases, and the shared expert's gated output.
+           On one lane the layer hands these parts on as an ExpertSum instead, and the next residual add's
+           norm launch sums them (fused.add_rms_norm): the same bits, one launch fewer.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -200,13 +204,11 @@ def expert_act(gate_up: torch.Tensor, swiglu_oai: bool, alpha: float = 1.702, li
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, out_ptr, H, K: tl.constexpr,
-                    BLOCK: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
-    pdl.let_next_start(PDL)
-    pdl.wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < H
+def expert_sum(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, t, cols, live, H, K: tl.constexpr,
+               BLOCK: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr):
+    """Token t's combine at `cols` (BLOCK of them, `live` within H) in f32: its k experts' rows of y (+ their
+    down biases) with their weights, + the gated shared expert. combine's kernel and the residual add's
+    norm (fused.add_rms_norm of an ExpertSum) both sum through here, so the two give the same bits."""
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(K):
         a = t * K + j
@@ -217,22 +219,60 @@ def _combine_kernel(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, out_ptr,
     if SHARED:
         s = tl.load(gate_ptr + t)
         acc += tl.load(shared_ptr + t * H + cols, mask=live, other=0.0) / (1.0 + tl.exp(-s))
+    return acc
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, out_ptr, H, K: tl.constexpr,
+                    BLOCK: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < H
+    acc = expert_sum(y_ptr, w_ptr, ids_ptr, b_ptr, shared_ptr, gate_ptr, t, cols, live, H, K, BLOCK, BIAS, SHARED)
     tl.store(out_ptr + t * H + cols, acc, mask=live)
+
+
+class ExpertSum(NamedTuple):
+    """A mixture-of-experts layer's output before its weighted sum, as `combine` takes it: y [T k, H] f32
+    (each assignment's down projection), weights and ids [T, k], the down biases [E, H] and the shared
+    expert's output [T, H] with its gate's logits [T], or None. On one lane the sum is left to the next
+    residual add's norm (fused.add_rms_norm), one launch fewer a layer; engine/layers/norm.py's add_delta
+    sums it wherever a plain add takes the output."""
+
+    y: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    bias: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+    shared_logit: torch.Tensor | None = None
+
+    def check(self) -> tuple[int, int, int]:
+        """(T, k, H), or ValueError where the parts do not fit together."""
+        T, k = self.weights.shape
+        H = self.y.shape[1]
+        if self.y.shape[0] != T * k or (self.shared is None) != (self.shared_logit is None):
+            raise ValueError(f"combine: {tuple(self.y.shape)} rows for {T} tokens of {k} experts")
+        return T, k, H
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """The six pointer arguments of expert_sum (y where a part is absent)."""
+        y = self.y
+        return (y, self.weights, self.ids, y if self.bias is None else self.bias,
+                y if self.shared is None else self.shared, y if self.shared_logit is None else self.shared_logit)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None = None,
             shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """y [T k, H] f32, weights and ids [T, k] -> [T, H] f32: each token's experts' outputs (+ their down
     biases [E, H]) weighted and summed, + sigmoid(shared_logit [T]) shared [T, H] where given."""
-    T, k = weights.shape
-    H = y.shape[1]
-    if y.shape[0] != T * k or (shared is None) != (shared_logit is None):
-        raise ValueError(f"combine: {tuple(y.shape)} rows for {T} tokens of {k} experts")
+    parts = ExpertSum(y, weights, ids, bias, shared, shared_logit)
+    T, k, H = parts.check()
     out = torch.empty(T, H, dtype=torch.float32, device=y.device)
     block = max(32, min(1024, triton.next_power_of_2(H)))
     if T:
         _combine_kernel[(T, triton.cdiv(H, block))](
-            y, weights, ids, bias if bias is not None else y, shared if shared is not None else y,
-            shared_logit if shared_logit is not None else y, out, H, K=k, BLOCK=block, BIAS=bias is not None,
-            SHARED=shared is not None, **pdl.launch_args(y.device))
+            *parts.pointers(), out, H, K=k, BLOCK=block, BIAS=bias is not None, SHARED=shared is not None,
+            **pdl.launch_args(y.device))
     return out

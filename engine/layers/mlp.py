@@ -46,3 +46,7 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor, xq: Q8_1 | None = None) -> torch.Tensor:
         T = x.shape[0]
         return self.down(*silu_mul_q8_1(self.gate_up(x, xq), self.down.wants_q8_1(T)))
+
+    def delta(self, x: torch.Tensor, xq: Q8_1 | None = None) -> torch.Tensor:
+        """forward, as the decoder layer hands it on (MoE.delta's counterpart)."""
+        return self.forward(x, xq)

@@ -20,7 +20,7 @@ from torch import nn
 
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod, WeightSource, check_shape
 from vegaserve.engine.models.arch_config import MoEConfig
-from vegaserve.triton_kernels.moe_ops import router_counters
+from vegaserve.triton_kernels import moe_ops
 
 
 class ExpertLinear(nn.Module):
@@ -127,7 +127,7 @@ class MoE(nn.Module):
 
         cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
         self.router = w.vector(prefix + "ffn_gate_inp.weight", (e, hidden)).float().contiguous()
-        self.router_tickets = router_counters(self.router.device)
+        self.router_tickets = moe_ops.router_counters(self.router.device)
         bias = cfg.biases
         if bias:
             self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
@@ -165,7 +165,7 @@ class MoE(nn.Module):
         """x [T, H] (the normed input; xq its q8_1 copy where wants_q8_1) -> [T, H], this lane's partial sum
         under tensor parallelism."""
         if x.is_cuda:
-            return self._forward_kernels(x, xq)
+            return moe_ops.combine(*self._forward_kernels(x, xq))
         T, k = x.shape[0], self.cfg.used
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits, self.cfg)
@@ -178,12 +178,16 @@ class MoE(nn.Module):
             out = out + torch.sigmoid(x.float() @ self.shared_gate)[:, None] * shared
         return out
 
-    def _forward_kernels(self, x: torch.Tensor, xq) -> torch.Tensor:
-        """forward on a GPU: the router (its logits too, for a decode step's rows), the experts' activation and
-        the weighted sum one launch each (triton_kernels/moe_ops.py), the activation writing the down
+    def delta(self, x: torch.Tensor, xq=None) -> torch.Tensor | moe_ops.ExpertSum:
+        """forward as a decoder layer on one lane hands it on (no AllReduce after it): on a GPU the experts'
+        outputs not yet summed, which the next residual add's norm sums in its own launch."""
+        return self._forward_kernels(x, xq) if x.is_cuda else self.forward(x, xq)
+
+    def _forward_kernels(self, x: torch.Tensor, xq) -> moe_ops.ExpertSum:
+        """forward on a GPU up to the weighted sum: the router (its logits too, for a decode step's rows) and
+        the experts' activation one launch each (triton_kernels/moe_ops.py), the activation writing the down
         projection's q8_1 input."""
         from vegaserve.engine.layers.norm import silu_mul_q8_1
-        from vegaserve.triton_kernels import moe_ops
 
         cfg, T, k = self.cfg, x.shape[0], self.cfg.used
         weights, ids = moe_ops.router(x, self.router, self.router_bias, k, cfg.gating == "softmax", cfg.norm_topk,
@@ -198,4 +202,4 @@ class MoE(nn.Module):
         if self.shared_gate_up is not None and self.shared_scale:
             shared = self.shared_down(*silu_mul_q8_1(self.shared_gate_up(x), self.shared_down.wants_q8_1(T)))
             logit = x.float() @ self.shared_gate
-        return moe_ops.combine(y, weights, ids, self.down.bias, shared, logit)
+        return moe_ops.ExpertSum(y, weights, ids, self.down.bias, shared, logit)

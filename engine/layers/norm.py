@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vegaserve.triton_kernels.moe_ops import ExpertSum
+
 Q8_1 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # triton_kernels/q8_1.py: (int8 codes, scales, scaled sums)
 
 
@@ -42,17 +44,35 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, q8_1=True)
         return self.forward(x), None
 
-    def add_forward(self, h: torch.Tensor, delta: torch.Tensor,
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | ExpertSum,
                     want_q8_1: bool = False) -> tuple[torch.Tensor, torch.Tensor, Q8_1 | None]:
         """(h + delta, this norm of it, the norm's q8_1 as in forward_q8_1): the residual add and the next
-        norm, one launch on a GPU."""
-        if h.is_cuda and h.dtype == delta.dtype and h.dim() == 2 and h.shape == delta.shape:
-            from vegaserve.triton_kernels.fused import add_rms_norm
+        norm, one launch on a GPU. delta may be a mixture-of-experts layer's ExpertSum, summed in the same
+        launch (with an f32 residual stream) or first, by add_delta."""
+        if isinstance(delta, ExpertSum):
+            if not (h.is_cuda and h.dtype == torch.float32 and h.dim() == 2):
+                return self.add_forward(h, expert_output(delta), want_q8_1)
+        elif not (h.is_cuda and h.dtype == delta.dtype and h.dim() == 2 and h.shape == delta.shape):
+            h = h + delta
+            return (h, *self.forward_q8_1(h, want_q8_1))
+        from vegaserve.triton_kernels.fused import add_rms_norm
 
-            out = add_rms_norm(h, delta, self.weight, self.eps, q8_1=want_q8_1)
-            return out if want_q8_1 else (*out, None)
-        h = h + delta
-        return (h, *self.forward_q8_1(h, want_q8_1))
+        out = add_rms_norm(h, delta, self.weight, self.eps, q8_1=want_q8_1)
+        return out if want_q8_1 else (*out, None)
+
+
+def expert_output(delta: torch.Tensor | ExpertSum) -> torch.Tensor:
+    """A layer's output as a tensor: an ExpertSum summed (moe_ops.combine), anything else as it is."""
+    if isinstance(delta, ExpertSum):
+        from vegaserve.triton_kernels.moe_ops import combine
+
+        return combine(*delta)
+    return delta
+
+
+def add_delta(h: torch.Tensor, delta: torch.Tensor | ExpertSum) -> torch.Tensor:
+    """h + a layer's output where no norm follows in the same launch (the last layer's, an MTP block's)."""
+    return h + expert_output(delta)
 
 
 def silu_mul_q8_1(gate_up: torch.Tensor, want: bool) -> tuple[torch.Tensor, Q8_1 | None]:

@@ -36,7 +36,7 @@ from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.mlp import DenseMLP
 from vegaserve.engine.layers.moe import MoE
-from vegaserve.engine.layers.norm import Q8_1, RMSNorm
+from vegaserve.engine.layers.norm import Q8_1, RMSNorm, add_delta
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.llama import LlamaModel
@@ -131,7 +131,7 @@ class HybridLayer(nn.Module):
         else:
             out = self.mixer(x, xq, rope, cache, batch)
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(out), self.ffn.wants_q8_1(T))
-        return h, self.comm.all_reduce(self.ffn(x, xq))
+        return h, self.ffn.delta(x, xq) if self.comm.tp == 1 else self.comm.all_reduce(self.ffn(x, xq))
 
 
 class NextNHead(nn.Module):
@@ -183,7 +183,7 @@ class NextNHead(nn.Module):
         e = self.enorm(self.embed(batch.input_ids) if self.embed is not None else model.embed_tokens(batch))
         x = self.eh_proj(torch.cat([e, self.hnorm(h_in.to(e.dtype))], dim=-1))
         h, delta = self.block(x, model.rope, cache, batch)
-        out = (self.head_norm if self.head_norm is not None else model.norm)(h + delta)
+        out = (self.head_norm if self.head_norm is not None else model.norm)(add_delta(h, delta))
         last = out[batch.logits_rows]
         if self.head is not None:
             return out, self.head(last).float()

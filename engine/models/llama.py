@@ -34,7 +34,7 @@ from vegaserve.engine.layers.embedding import QuantEmbedding
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.mlp import DenseMLP
 from vegaserve.engine.layers.moe import MoE
-from vegaserve.engine.layers.norm import RMSNorm
+from vegaserve.engine.layers.norm import RMSNorm, add_delta
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.weights import WeightLoader
@@ -109,8 +109,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cache: KVCache, batch: ForwardBatch,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, delta): the residual stream after attention and the MLP's output, not yet added to it. The
-        layer before leaves its own delta the same way: its add and this layer's norm are one launch."""
+        """(h, delta): the residual stream after attention and the MLP's output, not yet added to it (a
+        mixture of experts' on one lane not yet summed either: moe_ops.ExpertSum). The layer before leaves
+        its own delta the same way: its add (and sum) and this layer's norm are one launch."""
         T = h.shape[0]
         if delta is None:
             x, xq = self.attn_norm.forward_q8_1(h, self.qkv.wants_q8_1(T))
@@ -130,7 +131,7 @@ class DecoderLayer(nn.Module):
                                  want_q8_1=want, window=self.window, sinks=self.sinks)
         h, x, xq = self.ffn_norm.add_forward(h, self.comm.all_reduce(self.o_proj(a.reshape(T, -1), aq)),
                                              self.ffn.wants_q8_1(T))
-        return h, self.comm.all_reduce(self.ffn(x, xq))
+        return h, self.ffn.delta(x, xq) if self.comm.tp == 1 else self.comm.all_reduce(self.ffn(x, xq))
 
 
 class LlamaModel(nn.Module):
@@ -214,7 +215,7 @@ class LlamaModel(nn.Module):
         delta = None
         for layer in self.layers:
             h, delta = layer(h, self.rope, cache, batch, delta)
-        return h if delta is None else h + delta
+        return h if delta is None else add_delta(h, delta)
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Last stage: logits [len(batch.logits_rows), vocab] in f32, gathered over the lanes."""

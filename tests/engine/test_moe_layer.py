@@ -18,6 +18,8 @@ from vegaserve.engine.layers.linear import ReferenceMethod, TritonMethod
 from vegaserve.engine.layers.moe import MoE, route
 from vegaserve.engine.models.arch_config import MoEConfig, arch_config_from_gguf
 from vegaserve.engine.models.weights import WeightLoader
+from vegaserve.triton_kernels.fused import add_rms_norm
+from vegaserve.triton_kernels.moe_ops import combine
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "moe"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,10 +43,18 @@ def test_the_gpu_method_gives_the_reference_layers_output(name, tokens):
     want = reference(x)
     got = triton_moe(x)
     # the GPU's path whatever the device: routing, activation and weighted sum as kernels (moe_ops)
-    fused = triton_moe._forward_kernels(x, None)
+    parts = triton_moe._forward_kernels(x, None)
+    fused = combine(*parts)
     for y in (got, fused):
         assert torch.isfinite(y).all()
         assert float((y - want).norm() / want.norm()) < 1e-5, (name, tokens)
+    # a decoder layer hands the parts to the next residual add's norm, which sums them in its own launch:
+    # the same bits as the sum's launch and then the add's
+    h = torch.randn(tokens, reference.hidden, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weight = torch.rand(reference.hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for a, b in zip(add_rms_norm(h, parts, weight, 1e-6, q8_1=True), add_rms_norm(h, fused, weight, 1e-6, q8_1=True)):
+        for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(u, v), name
 
 
 def test_router_ids_are_experts_whatever_the_logits():
@@ -96,7 +106,7 @@ def test_the_kernel_path_hands_the_int8_experts_their_q8_1_copies(name, monkeypa
     calls = []
     real = q8_1_module.quantize_q8_1
     monkeypatch.setattr(q8_1_module, "quantize_q8_1", lambda t: calls.append(t.shape) or real(t))
-    got = moe._forward_kernels(x, xq)
+    got = combine(*moe._forward_kernels(x, xq))
     assert calls == []
     if want is not None:
         assert float((got - want).norm() / want.norm()) < 1e-4

@@ -96,3 +96,37 @@ def test_an_expert_split_that_would_cut_a_quantization_block_is_refused_before_a
         check_model_splits(one_block, Topology(2, 1), {"attn_output": 1, "ffn_down": 1, "ffn_down_shexp": 32}, "m.gguf")
     check_model_splits(one_block, Topology(2, 1), {"attn_output": 1, "ffn_down": 1, "ffn_down_shexp": 32}, "m.gguf",
                        shared_split=False)
+
+
+@pytest.mark.parametrize("data, name", [(DATA, "qwen2moe"), (DATA, "gpt-oss"), (DATA.parent / "hybrid", "qwen35moe")])
+def test_a_layers_unsummed_expert_outputs_reach_the_next_norm_and_the_last_add(data, name, converted, monkeypatch):
+    """On a GPU a MoE layer on one lane hands its experts' outputs on unsummed (moe_ops.ExpertSum) and the
+    next layer's norm, or the last add, sums them. Made to on the CPU path (its own torch routing and
+    experts, the parts not summed), the model's logits equal the summed path's: every layer's hand-off,
+    the shared expert's (qwen2moe, qwen35moe) and the down biases' (gpt-oss) included."""
+    import torch.nn.functional as F
+
+    from vegaserve.engine.layers import moe
+    from vegaserve.triton_kernels.moe_ops import ExpertSum
+
+    calls = []
+
+    def unsummed(self, x, xq=None):
+        calls.append(x.shape[0])
+        T, k = x.shape[0], self.cfg.used
+        weights, ids = moe.route(F.linear(x.float(), self.router, self.router_bias), self.cfg)
+        a = ids.reshape(-1)
+        y = self.down(moe.expert_act(self.gate_up(x, a, k, T), self.cfg), a, 1, T, add_bias=False)
+        shared = logit = None
+        if self.shared_gate_up is not None:
+            shared = self.shared_down(moe.expert_act(self.shared_gate_up(x), self.cfg))
+            logit = x.float() @ self.shared_gate
+        return ExpertSum(y, weights, ids, self.down.bias, shared, logit)
+
+    core = converted.core(data, name)
+    prompt = converted.reference(data, name)["prompts"][0]["prompt_ids"]
+    want = core.forward_logits(prompt)
+    monkeypatch.setattr(moe.MoE, "delta", unsummed)
+    got = core.forward_logits(prompt)
+    assert calls and all(t == len(prompt) for t in calls)
+    assert converted.rel(got, want) < 1e-5, name

@@ -51,6 +51,59 @@ def test_add_rms_norm_equals_the_residual_add_then_the_torch_norm(n):
     assert torch.equal(h2, h + delta) and torch.equal(y2, norm(h + delta)) and none is None
 
 
+@pytest.mark.parametrize("with_bias, with_shared", [(False, False), (True, True)])
+@pytest.mark.parametrize("n, q8", [(96, False), (1056, True)], ids=["one-program", "slices"])
+def test_add_rms_norm_of_an_expert_sum_equals_the_sums_launch_then_the_add(with_bias, with_shared, n, q8):
+    """A mixture-of-experts layer's ExpertSum as the delta: summed inside the norm's launch, the same bits
+    (h, norm, q8_1) as moe_ops.combine and then add_rms_norm of its output; at 1056 with the q8_1 copy a
+    row spreads over three programs, each summing its slice and the whole row."""
+    from vegaserve.triton_kernels.moe_ops import ExpertSum, combine
+
+    gen = torch.Generator().manual_seed(n + with_bias)
+    T, k, E = 3, 4, 6
+    parts = ExpertSum(torch.randn(T * k, n, generator=gen), torch.rand(T, k, generator=gen),
+                      torch.randint(0, E, (T, k), generator=gen),
+                      torch.randn(E, n, generator=gen) if with_bias else None,
+                      torch.randn(T, n, generator=gen) if with_shared else None,
+                      torch.randn(T, generator=gen) if with_shared else None)
+    parts = ExpertSum(*(p.to(DEVICE) if p is not None else None for p in parts))
+    h = (torch.randn(T, n, generator=gen) * 2).to(DEVICE)
+    w = torch.randn(n, generator=gen).to(DEVICE)
+    got = add_rms_norm(h, parts, w, 1e-6, q8_1=q8)
+    want = add_rms_norm(h, combine(*parts), w, 1e-6, q8_1=q8)
+    flat = [t for o in (got, want) for t in (o[:2] + tuple(o[2]) if q8 else o)]
+    half = len(flat) // 2
+    assert all(torch.equal(a, b) for a, b in zip(flat[:half], flat[half:], strict=True))
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data = w.cpu()
+    assert torch.equal(got[0].cpu(), h.cpu() + combine(*parts).cpu())
+    assert rel(got[1], norm(h.cpu() + combine(*parts).cpu())) < 1e-6
+
+
+def test_the_norms_add_forward_and_add_delta_sum_an_expert_sum_wherever_they_run():
+    """RMSNorm.add_forward and norm.add_delta take an ExpertSum on any device (off a GPU: the sum's
+    launch, then the torch add and norm) and give what the summed tensor gives; parts that do not fit the
+    residual stream are refused with their shapes."""
+    from vegaserve.engine.layers.norm import add_delta
+    from vegaserve.triton_kernels.moe_ops import ExpertSum, combine
+
+    gen = torch.Generator().manual_seed(5)
+    T, k, n = 2, 3, 64
+    parts = ExpertSum(torch.randn(T * k, n, generator=gen), torch.rand(T, k, generator=gen),
+                      torch.randint(0, 4, (T, k), generator=gen))
+    h = torch.randn(T, n, generator=gen)
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data = torch.randn(n, generator=gen)
+    summed = combine(*parts)
+    assert torch.equal(add_delta(h, parts), h + summed)
+    for a, b in zip(norm.add_forward(h, parts), norm.add_forward(h, summed)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"experts' sum \[2, 64\]"):
+        add_rms_norm(torch.zeros(3, n), parts, norm.weight, 1e-6)
+    with pytest.raises(ValueError, match="rows for 2 tokens of 3 experts"):
+        add_rms_norm(h, parts._replace(y=parts.y[:5]), norm.weight, 1e-6)
+
+
 def test_rope_of_q_and_k_in_one_call_equals_two_calls():
     gen = torch.Generator().manual_seed(9)
     T, H, KV, D = 3, 4, 2, 64
