@@ -7,7 +7,8 @@ torch code is their reference and the CPU path):
            the lower id; a NaN logit counts as -inf, so every id is an expert and the k are distinct.
   router   the same from the normed input x [T, H] and the router's weight [E, H] (+ bias): for a decode
            step's few rows the logits and the choice are one launch (programs a block of experts each; the
-           last of a token's to finish chooses), else the logits through torch's matmul, then route.
+           last of a token's to finish chooses), else the logits through torch's matmul, then route. The
+           shared expert's gate rides along as one more row, its logit handed back beside the choice.
   act      each assignment's gate/up [A, 2F] (+ its expert's biases) -> silu(g) * u, or gpt-oss's clamped
            SwiGLU min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1), with its q8_1 copy for the
            down projection's int8 kernels where asked.
@@ -72,18 +73,21 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2
 
 
 @triton.jit
-def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, E, H, stride_x,
+def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, s_ptr, E, H, stride_x,
                    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, SOFTMAX: tl.constexpr,
-                   NORM: tl.constexpr, BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Token program_id(0), experts program_id(1) * BLOCK_E onwards: their logits x . r_e (+ b_e) in f32
-    into the token's row of `logits`; then a ticket on the token's counter, and the program that draws the
-    last one chooses the token's k from the whole row (_top_k) and sets the counter back to 0 for the next
-    launch. The ticket is an acquire-release atomic: every program's logits are visible to the last."""
+                   NORM: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Token program_id(0), rows program_id(1) * BLOCK_E onwards of r (E experts, and with SHARED the shared
+    expert's gate as row E): their logits x . r_e (+ b_e) in f32 into the token's row of `logits` (the
+    gate's into s[t]); then a ticket on the token's counter, and the program that draws the last one
+    chooses the token's k of the E experts from the whole row (_top_k) and sets the counter back to 0 for
+    the next launch. The ticket is an acquire-release atomic: every program's logits are visible to the
+    last."""
     pdl.let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    live = e < E
+    rows = E + SHARED
+    live = e < rows
     hh = tl.arange(0, BLOCK_H)
     pdl.wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
@@ -95,12 +99,14 @@ def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, E
     logit = tl.sum(acc, 1)
     if BIAS:
         logit += tl.load(b_ptr + e, mask=live, other=0.0)
-    tl.store(logits_ptr + t * E + e, logit, mask=live)
+    tl.store(logits_ptr + t * rows + e, logit, mask=live)
+    if SHARED:
+        tl.store(s_ptr + t + e * 0, logit, mask=e == E)
     ticket = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
     if ticket == tl.num_programs(1) - 1:
         tl.store(count_ptr + t, 0)
         ee = tl.arange(0, E_P2)
-        row = tl.load(logits_ptr + t * E + ee, mask=ee < E, other=float("-inf"), volatile=True)
+        row = tl.load(logits_ptr + t * rows + ee, mask=ee < E, other=float("-inf"), volatile=True)
         _top_k(row, ee, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM)
 
 
@@ -129,30 +135,37 @@ def router_counters(device: torch.device) -> torch.Tensor:
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, softmax: bool, norm: bool,
-           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           counters: torch.Tensor, shared_gate: bool = False) -> tuple[torch.Tensor, ...]:
     """x [T, H] (unit stride over H), weight [E, H] f32 contiguous, bias [E] f32 or None -> route of the
-    logits x weight^T (+ bias) in f32: (weights [T, k] f32, ids [T, k] int64). Up to ROUTER_ROWS rows one
-    launch; more, torch's matmul then route. counters: router_counters of this layer."""
+    logits x weight^T (+ bias) in f32: (weights [T, k] f32, ids [T, k] int64). With shared_gate, weight's
+    last row is the shared expert's gate (and bias, if any, has a row for it): E is one less, and its logits
+    come back third, [T] f32. Up to ROUTER_ROWS rows one launch; more, torch's matmul then route. counters:
+    router_counters of this layer."""
     T, H = x.shape
-    E = weight.shape[0]
-    if weight.shape != (E, H) or not weight.is_contiguous() or x.stride(1) != 1:
+    rows = weight.shape[0]
+    E = rows - shared_gate
+    if weight.shape != (rows, H) or E < 1 or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"router: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}")
     if T > ROUTER_ROWS:
-        return route(torch.nn.functional.linear(x.float(), weight, bias), k, softmax, norm)
+        logits = torch.nn.functional.linear(x.float(), weight, bias)
+        out = route(logits[:, :E], k, softmax, norm)
+        return (*out, logits[:, E].contiguous()) if shared_gate else out
     if not 1 <= k <= E:
         raise ValueError(f"route: top {k} of {E} experts")
     w = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    gate = torch.empty(T, dtype=torch.float32, device=x.device) if shared_gate else w
     if T:
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        logits = torch.empty(T, rows, dtype=torch.float32, device=x.device)
         # about eight programs a token: 128 experts of 2048 at 16 a program read 128 KB each
-        block_e = min(32, max(4, triton.next_power_of_2(triton.cdiv(E, 8))))
+        block_e = min(32, max(4, triton.next_power_of_2(triton.cdiv(rows, 8))))
         block_h = min(ROUTER_TILE // block_e, triton.next_power_of_2(H))
-        _router_kernel[(T, triton.cdiv(E, block_e))](
-            x, weight, bias if bias is not None else weight, logits, counters, w, ids, E, H, x.stride(0),
+        _router_kernel[(T, triton.cdiv(rows, block_e))](
+            x, weight, bias if bias is not None else weight, logits, counters, w, ids, gate, E, H, x.stride(0),
             K=k, K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(E), SOFTMAX=softmax, NORM=norm,
-            BIAS=bias is not None, BLOCK_E=block_e, BLOCK_H=block_h, **pdl.launch_args(x.device))
-    return w, ids
+            BIAS=bias is not None, SHARED=shared_gate, BLOCK_E=block_e, BLOCK_H=block_h,
+            **pdl.launch_args(x.device))
+    return (w, ids, gate) if shared_gate else (w, ids)
 
 
 @triton.jit

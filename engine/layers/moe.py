@@ -99,13 +99,12 @@ class MoE(nn.Module):
         self.tp, self.lane = tp, lane
         self.method = method
         self.shared_tp = tp if shared_split else 1
-        self.router = torch.empty(0)  # [E, H] f32
+        self.router = torch.empty(0)  # [E, H] f32, and the shared expert's gate as one more row where there is one
         self.router_tickets = torch.empty(0)  # the fused router launch's (moe_ops.router_counters)
         self.router_bias: torch.Tensor | None = None
         # the even shares until load reads the down projections' blocks
         self._experts(cfg.expert_ff // tp)
         self._shared(cfg.shared_ff // self.shared_tp)
-        self.shared_gate = torch.empty(0)  # [H] f32
         # lane 0 alone adds what is not split: the down bias, and a shared expert held whole
         self.shared_scale = 1.0 if shared_split or lane == 0 else 0.0
 
@@ -156,7 +155,11 @@ class MoE(nn.Module):
             self.shared_down.load([slice_cols(shared_down, *srows)], w.device)
             name = prefix + "ffn_gate_inp_shexp.weight"  # [1, H] as converted, [H] once llama-quantize wrote it
             shape = (1, hidden) if w.gguf.info(name).shape == (1, hidden) else (hidden,)
-            self.shared_gate = w.vector(name, shape).reshape(hidden)
+            # the router's last row: its logit comes out of the router's launch (moe_ops.router)
+            gate = w.vector(name, shape).reshape(1, hidden).to(self.router)
+            self.router = torch.cat([self.router, gate]).contiguous()
+            if self.router_bias is not None:
+                self.router_bias = torch.cat([self.router_bias, self.router_bias.new_zeros(1)])
 
     def wants_q8_1(self, m: int) -> bool:
         return self.gate_up.wants_q8_1(m)
@@ -166,16 +169,16 @@ class MoE(nn.Module):
         under tensor parallelism."""
         if x.is_cuda:
             return moe_ops.combine(*self._forward_kernels(x, xq))
-        T, k = x.shape[0], self.cfg.used
+        T, k, E = x.shape[0], self.cfg.used, self.cfg.experts
         logits = F.linear(x.float(), self.router, self.router_bias)
-        weights, ids = route(logits, self.cfg)
+        weights, ids = route(logits[:, :E], self.cfg)
         a = ids.reshape(-1)
         h = expert_act(self.gate_up(x, a, k, T), self.cfg)
         y = self.down(h, a, 1, T).view(T, k, self.hidden)
         out = (y * weights[..., None]).sum(dim=1)
         if self.shared_gate_up is not None and self.shared_scale:
             shared = self.shared_down(expert_act(self.shared_gate_up(x), self.cfg))
-            out = out + torch.sigmoid(x.float() @ self.shared_gate)[:, None] * shared
+            out = out + torch.sigmoid(logits[:, E])[:, None] * shared
         return out
 
     def delta(self, x: torch.Tensor, xq=None) -> torch.Tensor | moe_ops.ExpertSum:
@@ -184,22 +187,22 @@ class MoE(nn.Module):
         return self._forward_kernels(x, xq) if x.is_cuda else self.forward(x, xq)
 
     def _forward_kernels(self, x: torch.Tensor, xq) -> moe_ops.ExpertSum:
-        """forward on a GPU up to the weighted sum: the router (its logits too, for a decode step's rows) and
-        the experts' activation one launch each (triton_kernels/moe_ops.py), the activation writing the down
-        projection's q8_1 input."""
+        """forward on a GPU up to the weighted sum: the router (its logits and the shared expert's gate too,
+        for a decode step's rows) and the experts' activation one launch each (triton_kernels/moe_ops.py),
+        the activation writing the down projection's q8_1 input."""
         from vegaserve.engine.layers.norm import silu_mul_q8_1
 
         cfg, T, k = self.cfg, x.shape[0], self.cfg.used
-        weights, ids = moe_ops.router(x, self.router, self.router_bias, k, cfg.gating == "softmax", cfg.norm_topk,
-                                      self.router_tickets)
+        has_shared = self.shared_gate_up is not None
+        weights, ids, *logit = moe_ops.router(x, self.router, self.router_bias, k, cfg.gating == "softmax",
+                                              cfg.norm_topk, self.router_tickets, shared_gate=has_shared)
         a = ids.reshape(-1)
         gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq)
         want = self.down.wants_q8_1(T)
         h = moe_ops.expert_act(gate_up, cfg.act == "swiglu_oai", cfg.alpha, cfg.limit, self.gate_up.bias, a, want)
         h, hq = h if want else (h, None)
         y = self.down(h, a, 1, T, add_bias=False, q8_1=hq)
-        shared = logit = None
-        if self.shared_gate_up is not None and self.shared_scale:
-            shared = self.shared_down(*silu_mul_q8_1(self.shared_gate_up(x), self.shared_down.wants_q8_1(T)))
-            logit = x.float() @ self.shared_gate
-        return moe_ops.ExpertSum(y, weights, ids, self.down.bias, shared, logit)
+        if not (has_shared and self.shared_scale):
+            return moe_ops.ExpertSum(y, weights, ids, self.down.bias)
+        shared = self.shared_down(*silu_mul_q8_1(self.shared_gate_up(x), self.shared_down.wants_q8_1(T)))
+        return moe_ops.ExpertSum(y, weights, ids, self.down.bias, shared, logit[0])

@@ -69,6 +69,30 @@ def test_router_equals_the_layers_logits_then_routing(gating, norm, bias, T):
         router(d(x), d(weight[:, :-1]), None, k, True, True, counters)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T", [1, 5, ROUTER_ROWS + 3])
+def test_router_with_the_shared_gate_as_its_last_row_hands_back_its_logit(bias, T):
+    """shared_gate: the weight's last row is the shared expert's gate (its bias row 0): the choice is over
+    the other rows alone, as the router of those rows gives it, and the gate's logit x . w comes back third
+    ([T] f32, contiguous: combine reads it a row at a time); 15 experts and the gate over 4 programs of 4
+    rows a token, the gate's logit the largest of the row (a choice that looked at it would take it), the
+    ticket of each token back at zero after."""
+    gen = torch.Generator().manual_seed(T + 10 * bias)
+    E, H, k = 15, 700, 3
+    x = torch.randn(T, H, generator=gen)
+    weight = torch.randn(E + 1, H, generator=gen) / 8
+    weight[E] = x.mean(0) * 4
+    b = torch.cat([torch.randn(E, generator=gen), torch.zeros(1)]) if bias else None
+    counters = router_counters(torch.device(DEVICE))
+    d = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    want_w, want_ids = router(d(x), d(weight[:E].contiguous()), d(b[:E] if bias else None), k, True, True, counters)
+    w, ids, logit = router(d(x), d(weight), d(b), k, True, True, counters, shared_gate=True)
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
+    assert logit.shape == (T,) and logit.is_contiguous()
+    assert torch.allclose(logit.cpu().double(), x.double() @ weight[E].double(), rtol=1e-5, atol=1e-5)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_expert_activation_equals_the_layers_with_its_biases_and_q8_1_copy(act, with_bias):
