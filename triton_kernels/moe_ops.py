@@ -32,8 +32,8 @@ from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, store_q8_1
 
 @triton.jit
 def _top_k(x, e, w_ptr, ids_ptr, t, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-           SOFTMAX: tl.constexpr, NORM: tl.constexpr):
-    """One token's logits x [E_P2] (-inf past E) -> its k weights and ids, stored at row t."""
+           SOFTMAX: tl.constexpr, NORM: tl.constexpr, WIDTH: tl.constexpr):
+    """One token's logits x [E_P2] (-inf past E) -> its k weights and ids, stored at row t (rows of WIDTH)."""
     x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf
     if SOFTMAX:
         x = tl.exp(x - tl.max(x, 0))
@@ -57,8 +57,8 @@ def _top_k(x, e, w_ptr, ids_ptr, t, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2
     else:
         top = tl.exp(top - tl.max(tl.where(chosen, top, float("-inf")), 0))
         top = top / tl.sum(tl.where(chosen, top, 0.0), 0)
-    tl.store(w_ptr + t * K + kk, top, mask=chosen)
-    tl.store(ids_ptr + t * K + kk, idx.to(tl.int64), mask=chosen)
+    tl.store(w_ptr + t * WIDTH + kk, top, mask=chosen)
+    tl.store(ids_ptr + t * WIDTH + kk, idx.to(tl.int64), mask=chosen)
 
 
 @triton.jit
@@ -69,24 +69,25 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, K_P2
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    _top_k(x, e, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM)
+    _top_k(x, e, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM, K)
 
 
 @triton.jit
 def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, s_ptr, E, H, stride_x,
                    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, SOFTMAX: tl.constexpr,
-                   NORM: tl.constexpr, BIAS: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                   NORM: tl.constexpr, BIAS: tl.constexpr, GATE: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """Token program_id(0), rows program_id(1) * BLOCK_E onwards of r (E experts, and with SHARED the shared
-    expert's gate as row E): their logits x . r_e (+ b_e) in f32 into the token's row of `logits` (the
-    gate's into s[t]); then a ticket on the token's counter, and the program that draws the last one
-    chooses the token's k of the E experts from the whole row (_top_k) and sets the counter back to 0 for
-    the next launch. The ticket is an acquire-release atomic: every program's logits are visible to the
+    """Token program_id(0), rows program_id(1) * BLOCK_E onwards of r (E experts, and with GATE the shared
+    expert's gate as row E): their logits x . r_e (+ b_e) in f32 into the token's row of `logits`; then a
+    ticket on the token's counter, and the program that draws the last one chooses the token's k of the E
+    experts from the whole row (_top_k), sets the counter back to 0 for the next launch, and hands on the
+    gate's logit: GATE_LOGIT into s[t], GATE_EXPERT as the token's choice k + 1 (expert E, weighted by the
+    logit's sigmoid). The ticket is an acquire-release atomic: every program's logits are visible to the
     last."""
     pdl.let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    rows = E + SHARED
+    rows = E + (GATE > 0)
     live = e < rows
     hh = tl.arange(0, BLOCK_H)
     pdl.wait_for_inputs(PDL)
@@ -100,14 +101,20 @@ def _router_kernel(x_ptr, r_ptr, b_ptr, logits_ptr, count_ptr, w_ptr, ids_ptr, s
     if BIAS:
         logit += tl.load(b_ptr + e, mask=live, other=0.0)
     tl.store(logits_ptr + t * rows + e, logit, mask=live)
-    if SHARED:
-        tl.store(s_ptr + t + e * 0, logit, mask=e == E)
     ticket = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
     if ticket == tl.num_programs(1) - 1:
         tl.store(count_ptr + t, 0)
         ee = tl.arange(0, E_P2)
         row = tl.load(logits_ptr + t * rows + ee, mask=ee < E, other=float("-inf"), volatile=True)
-        _top_k(row, ee, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM)
+        width = K + (GATE == 2)
+        _top_k(row, ee, w_ptr, ids_ptr, t, E, K, K_P2, E_P2, SOFTMAX, NORM, width)
+        if GATE > 0:
+            s = tl.load(logits_ptr + t * rows + E, volatile=True)
+            if GATE == 1:
+                tl.store(s_ptr + t, s)
+            else:
+                tl.store(w_ptr + t * width + K, 1.0 / (1.0 + tl.exp(-s)))
+                tl.store(ids_ptr + t * width + K, t * 0 + E)
 
 
 def route(logits: torch.Tensor, k: int, softmax: bool, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,27 +141,40 @@ def router_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(ROUTER_ROWS, dtype=torch.int32, device=device)
 
 
+GATE_LOGIT = 1  # router(shared_gate=...): the shared expert's gate logit handed back beside the choice
+GATE_EXPERT = 2  # or the shared expert (expert E of the stacks) made every token's choice k + 1
+
+
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, softmax: bool, norm: bool,
-           counters: torch.Tensor, shared_gate: bool = False) -> tuple[torch.Tensor, ...]:
+           counters: torch.Tensor, shared_gate: int = 0) -> tuple[torch.Tensor, ...]:
     """x [T, H] (unit stride over H), weight [E, H] f32 contiguous, bias [E] f32 or None -> route of the
     logits x weight^T (+ bias) in f32: (weights [T, k] f32, ids [T, k] int64). With shared_gate, weight's
-    last row is the shared expert's gate (and bias, if any, has a row for it): E is one less, and its logits
-    come back third, [T] f32. Up to ROUTER_ROWS rows one launch; more, torch's matmul then route. counters:
-    router_counters of this layer."""
+    last row is the shared expert's gate (and bias, if any, has a row for it; E is one less): GATE_LOGIT
+    hands its logits back third, [T] f32; GATE_EXPERT adds expert E to every token's choice, weighted by
+    the logit's sigmoid ([T, k + 1]). Up to ROUTER_ROWS rows one launch; more, torch's matmul then route.
+    counters: router_counters of this layer."""
     T, H = x.shape
     rows = weight.shape[0]
-    E = rows - shared_gate
+    E = rows - (shared_gate > 0)
     if weight.shape != (rows, H) or E < 1 or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"router: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}")
+    if shared_gate not in (0, GATE_LOGIT, GATE_EXPERT):
+        raise ValueError(f"router: shared_gate {shared_gate}")
     if T > ROUTER_ROWS:
         logits = torch.nn.functional.linear(x.float(), weight, bias)
-        out = route(logits[:, :E], k, softmax, norm)
-        return (*out, logits[:, E].contiguous()) if shared_gate else out
+        w, ids = route(logits[:, :E], k, softmax, norm)
+        if shared_gate == GATE_LOGIT:
+            return w, ids, logits[:, E].contiguous()
+        if shared_gate == GATE_EXPERT:
+            return (torch.cat([w, torch.sigmoid(logits[:, E:])], dim=1),
+                    torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1))
+        return w, ids
     if not 1 <= k <= E:
         raise ValueError(f"route: top {k} of {E} experts")
-    w = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    gate = torch.empty(T, dtype=torch.float32, device=x.device) if shared_gate else w
+    width = k + (shared_gate == GATE_EXPERT)
+    w = torch.empty(T, width, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, width, dtype=torch.int64, device=x.device)
+    gate = torch.empty(T, dtype=torch.float32, device=x.device) if shared_gate == GATE_LOGIT else w
     if T:
         logits = torch.empty(T, rows, dtype=torch.float32, device=x.device)
         # about eight programs a token: 128 experts of 2048 at 16 a program read 128 KB each
@@ -163,9 +183,9 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: 
         _router_kernel[(T, triton.cdiv(rows, block_e))](
             x, weight, bias if bias is not None else weight, logits, counters, w, ids, gate, E, H, x.stride(0),
             K=k, K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(E), SOFTMAX=softmax, NORM=norm,
-            BIAS=bias is not None, SHARED=shared_gate, BLOCK_E=block_e, BLOCK_H=block_h,
+            BIAS=bias is not None, GATE=shared_gate, BLOCK_E=block_e, BLOCK_H=block_h,
             **pdl.launch_args(x.device))
-    return (w, ids, gate) if shared_gate else (w, ids)
+    return (w, ids, gate) if shared_gate == GATE_LOGIT else (w, ids)
 
 
 @triton.jit

@@ -95,6 +95,17 @@ def slice_expert_cols(src: WeightSource, start: int, count: int) -> WeightSource
     return _with_shape(src, part.raw, (experts, rows, count))
 
 
+def append_expert(stack: WeightSource, one: WeightSource) -> WeightSource:
+    """An [E, rows, cols] stack with the [rows, cols] matrix `one` as its expert E: [E + 1, rows, cols], the
+    stack's bytes then one's (a shared expert run as one more of the stack's)."""
+    experts, rows, cols = stack.info.shape
+    if one.info.shape != (rows, cols) or one.info.type_id != stack.info.type_id:
+        raise ModelLoadError(f"{one.path}: tensor {one.info.name} ({one.info.type_name}, {list(one.info.shape)}) "
+                             f"is no expert of {stack.info.name} ({stack.info.type_name}, {list(stack.info.shape)})")
+    raw = torch.cat([stack.raw.reshape(-1), one.raw.reshape(-1)])
+    return _with_shape(stack, raw, (experts + 1, rows, cols))
+
+
 def vocab_slice(vocab: int, tp: int, lane: int) -> tuple[int, int, int]:
     """(first row, rows, padded width) of a lane's vocabulary slice: ceil(vocab / tp) rows per lane, the
     last lane fewer; every lane's logits are padded to the same width for the gather."""

@@ -102,16 +102,19 @@ class MoE(nn.Module):
         self.router = torch.empty(0)  # [E, H] f32, and the shared expert's gate as one more row where there is one
         self.router_tickets = torch.empty(0)  # the fused router launch's (moe_ops.router_counters)
         self.router_bias: torch.Tensor | None = None
+        self.joined = False  # the shared expert is expert E of the stacks (load says where it can be)
         # the even shares until load reads the down projections' blocks
         self._experts(cfg.expert_ff // tp)
         self._shared(cfg.shared_ff // self.shared_tp)
         # lane 0 alone adds what is not split: the down bias, and a shared expert held whole
         self.shared_scale = 1.0 if shared_split or lane == 0 else 0.0
 
-    def _experts(self, ff: int) -> None:
+    def _experts(self, ff: int, stacked: int = 0) -> None:
+        """The expert stacks at `ff` rows a lane: the routed experts, and the shared one where it joins them."""
         self.ff = ff
-        self.gate_up = ExpertLinear(self.cfg.experts, self.hidden, [ff] * 2, self.method)
-        self.down = ExpertLinear(self.cfg.experts, ff, [self.hidden], self.method)
+        n = stacked or self.cfg.experts
+        self.gate_up = ExpertLinear(n, self.hidden, [ff] * 2, self.method)
+        self.down = ExpertLinear(n, ff, [self.hidden], self.method)
 
     def _shared(self, ff: int) -> None:
         self.shared_ff = ff
@@ -121,7 +124,7 @@ class MoE(nn.Module):
     def load(self, w, prefix: str) -> None:
         """`w` a models.weights.WeightLoader; prefix "blk.N."."""
         from vegaserve.engine.distributed.sharding import (
-            lane_block_split, slice_cols, slice_expert_cols, slice_expert_rows, slice_rows,
+            append_expert, lane_block_split, slice_cols, slice_expert_cols, slice_expert_rows, slice_rows,
         )
 
         cfg, hidden, e, f = self.cfg, self.hidden, self.cfg.experts, self.cfg.expert_ff
@@ -132,27 +135,29 @@ class MoE(nn.Module):
             self.router_bias = w.vector(prefix + "ffn_gate_inp.bias", (e,))
         down = w.source(prefix + "ffn_down_exps.weight", (e, hidden, f))
         rows = lane_block_split(down, self.tp, self.lane)  # this lane's rows of every expert: whole blocks of down
-        if rows[1] != self.ff:
-            self._experts(rows[1])
-        self.gate_up.load(
-            [slice_expert_rows(w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)), *rows) for n in ("gate", "up")],
-            w.device,
-            [w.vector(prefix + f"ffn_{n}_exps.bias", (e, f))[:, rows[0] : sum(rows)] for n in ("gate", "up")]
-            if bias else None)
-        down_bias = None
-        if bias:
-            down_bias = [w.vector(prefix + "ffn_down_exps.bias", (e, hidden)) * (1.0 if self.lane == 0 else 0.0)]
-        self.down.load([slice_expert_cols(down, *rows)], w.device, down_bias)
+        gate_up = [slice_expert_rows(w.source(prefix + f"ffn_{n}_exps.weight", (e, f, hidden)), *rows)
+                   for n in ("gate", "up")]
+        down = slice_expert_cols(down, *rows)
         if cfg.shared_ff:
             s, lane = cfg.shared_ff, self.lane if self.shared_tp > 1 else 0
             shared_down = w.source(prefix + "ffn_down_shexp.weight", (hidden, s))
             srows = lane_block_split(shared_down, self.shared_tp, lane)
-            if srows[1] != self.shared_ff:
-                self._shared(srows[1])
-            self.shared_gate_up.load(
-                [slice_rows(w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)), *srows) for n in ("gate", "up")],
-                w.device)
-            self.shared_down.load([slice_cols(shared_down, *srows)], w.device)
+            shared_gate_up = [slice_rows(w.source(prefix + f"ffn_{n}_shexp.weight", (s, hidden)), *srows)
+                              for n in ("gate", "up")]
+            shared_down = slice_cols(shared_down, *srows)
+            # the shared expert runs as expert E of the stacks where it is one: the experts' shape and types
+            # on this lane, added by every lane (so not LLAMA_SHEXP_SPLIT=0 under tensor parallelism)
+            parts = list(zip([*gate_up, down], [*shared_gate_up, shared_down], strict=True))
+            self.joined = (not bias and self.shared_tp == self.tp and srows[1] == rows[1] and
+                           all(a.info.type_id == b.info.type_id for a, b in parts))
+            if self.joined:
+                gate_up, down = [append_expert(a, b) for a, b in parts[:2]], append_expert(*parts[2])
+                self.shared_gate_up = self.shared_down = None
+            else:
+                if srows[1] != self.shared_ff:
+                    self._shared(srows[1])
+                self.shared_gate_up.load(shared_gate_up, w.device)
+                self.shared_down.load([shared_down], w.device)
             name = prefix + "ffn_gate_inp_shexp.weight"  # [1, H] as converted, [H] once llama-quantize wrote it
             shape = (1, hidden) if w.gguf.info(name).shape == (1, hidden) else (hidden,)
             # the router's last row: its logit comes out of the router's launch (moe_ops.router)
@@ -160,6 +165,15 @@ class MoE(nn.Module):
             self.router = torch.cat([self.router, gate]).contiguous()
             if self.router_bias is not None:
                 self.router_bias = torch.cat([self.router_bias, self.router_bias.new_zeros(1)])
+        if rows[1] != self.ff or self.joined:
+            self._experts(rows[1], e + self.joined)
+        self.gate_up.load(gate_up, w.device,
+                          [w.vector(prefix + f"ffn_{n}_exps.bias", (e, f))[:, rows[0] : sum(rows)] for n in ("gate", "up")]
+                          if bias else None)
+        down_bias = None
+        if bias:
+            down_bias = [w.vector(prefix + "ffn_down_exps.bias", (e, hidden)) * (1.0 if self.lane == 0 else 0.0)]
+        self.down.load([down], w.device, down_bias)
 
     def wants_q8_1(self, m: int) -> bool:
         return self.gate_up.wants_q8_1(m)
@@ -169,10 +183,13 @@ class MoE(nn.Module):
         under tensor parallelism."""
         if x.is_cuda:
             return moe_ops.combine(*self._forward_kernels(x, xq))
-        T, k, E = x.shape[0], self.cfg.used, self.cfg.experts
+        T, E = x.shape[0], self.cfg.experts
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits[:, :E], self.cfg)
-        a = ids.reshape(-1)
+        if self.joined:  # the shared expert: expert E of every token, weighted by its gate
+            weights = torch.cat([weights, torch.sigmoid(logits[:, E:])], dim=1)
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+        k, a = ids.shape[1], ids.reshape(-1)
         h = expert_act(self.gate_up(x, a, k, T), self.cfg)
         y = self.down(h, a, 1, T).view(T, k, self.hidden)
         out = (y * weights[..., None]).sum(dim=1)
@@ -189,14 +206,16 @@ class MoE(nn.Module):
     def _forward_kernels(self, x: torch.Tensor, xq) -> moe_ops.ExpertSum:
         """forward on a GPU up to the weighted sum: the router (its logits and the shared expert's gate too,
         for a decode step's rows) and the experts' activation one launch each (triton_kernels/moe_ops.py),
-        the activation writing the down projection's q8_1 input."""
+        the activation writing the down projection's q8_1 input. A shared expert that joined the stacks is
+        one more assignment of every token, chosen by the router's launch with its gate as its weight."""
         from vegaserve.engine.layers.norm import silu_mul_q8_1
 
-        cfg, T, k = self.cfg, x.shape[0], self.cfg.used
+        cfg, T = self.cfg, x.shape[0]
         has_shared = self.shared_gate_up is not None
-        weights, ids, *logit = moe_ops.router(x, self.router, self.router_bias, k, cfg.gating == "softmax",
-                                              cfg.norm_topk, self.router_tickets, shared_gate=has_shared)
-        a = ids.reshape(-1)
+        gate = moe_ops.GATE_EXPERT if self.joined else moe_ops.GATE_LOGIT if has_shared else 0
+        weights, ids, *logit = moe_ops.router(x, self.router, self.router_bias, cfg.used, cfg.gating == "softmax",
+                                              cfg.norm_topk, self.router_tickets, shared_gate=gate)
+        k, a = ids.shape[1], ids.reshape(-1)
         gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq)
         want = self.down.wants_q8_1(T)
         h = moe_ops.expert_act(gate_up, cfg.act == "swiglu_oai", cfg.alpha, cfg.limit, self.gate_up.bias, a, want)

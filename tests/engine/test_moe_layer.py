@@ -26,19 +26,23 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _layer(name: str, method, layer: int = 0) -> MoE:
-    gguf = GGUFFile(DATA / f"{name}-f32.gguf")
+    gguf = GGUFFile((DATA if (DATA / f"{name}-f32.gguf").exists() else DATA.parent / "hybrid") / f"{name}-f32.gguf")
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), name)
     moe = MoE(arch.hidden_size, arch.moe, method)
     moe.load(WeightLoader(gguf, DEVICE, torch.float32, show_progress=False), f"blk.{layer}.")
     return moe
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss", "qwen35moe"])
 @pytest.mark.parametrize("tokens", [3, 12], ids=["decode", "grouped"])
 def test_the_gpu_method_gives_the_reference_layers_output(name, tokens):
+    """qwen2moe's shared expert runs beside the experts (its intermediate size is not theirs), qwen35moe's
+    as one of them (expert E of the stacks, chosen by the router for every token)."""
     triton_moe = _layer(name, TritonMethod(gemm_dtype=torch.float32))
     reference = _layer(name, ReferenceMethod()).to(DEVICE)  # the reference dequantizes on the host
     assert triton_moe.gate_up.packed and reference.gate_up.weight is not None
+    assert triton_moe.joined == reference.joined == (name == "qwen35moe")
+    assert triton_moe.gate_up.n_experts == triton_moe.cfg.experts + triton_moe.joined
     x = torch.randn(tokens, reference.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     want = reference(x)
     got = triton_moe(x)

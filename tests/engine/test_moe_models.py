@@ -113,15 +113,18 @@ def test_a_layers_unsummed_expert_outputs_reach_the_next_norm_and_the_last_add(d
 
     def unsummed(self, x, xq=None):
         calls.append(x.shape[0])
-        T, k = x.shape[0], self.cfg.used
+        T, E = x.shape[0], self.cfg.experts
         logits = F.linear(x.float(), self.router, self.router_bias)
-        weights, ids = moe.route(logits[:, : self.cfg.experts], self.cfg)
-        a = ids.reshape(-1)
+        weights, ids = moe.route(logits[:, :E], self.cfg)
+        if self.joined:  # the shared expert as expert E of the stacks (qwen35moe)
+            weights = torch.cat([weights, torch.sigmoid(logits[:, E:])], dim=1)
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+        k, a = ids.shape[1], ids.reshape(-1)
         y = self.down(moe.expert_act(self.gate_up(x, a, k, T), self.cfg), a, 1, T, add_bias=False)
         shared = logit = None
         if self.shared_gate_up is not None:
             shared = self.shared_down(moe.expert_act(self.shared_gate_up(x), self.cfg))
-            logit = logits[:, self.cfg.experts].contiguous()
+            logit = logits[:, E].contiguous()
         return ExpertSum(y, weights, ids, self.down.bias, shared, logit)
 
     core = converted.core(data, name)

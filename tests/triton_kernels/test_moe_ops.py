@@ -10,7 +10,9 @@ import torch
 
 from vegaserve.engine.layers import moe as layer
 from vegaserve.engine.models.arch_config import MoEConfig
-from vegaserve.triton_kernels.moe_ops import ROUTER_ROWS, combine, expert_act, route, router, router_counters
+from vegaserve.triton_kernels.moe_ops import (
+    GATE_EXPERT, GATE_LOGIT, ROUTER_ROWS, combine, expert_act, route, router, router_counters,
+)
 from vegaserve.triton_kernels.q8_1 import reference_quantize_q8_1
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,7 +76,8 @@ def test_router_equals_the_layers_logits_then_routing(gating, norm, bias, T):
 def test_router_with_the_shared_gate_as_its_last_row_hands_back_its_logit(bias, T):
     """shared_gate: the weight's last row is the shared expert's gate (its bias row 0): the choice is over
     the other rows alone, as the router of those rows gives it, and the gate's logit x . w comes back third
-    ([T] f32, contiguous: combine reads it a row at a time); 15 experts and the gate over 4 programs of 4
+    ([T] f32, contiguous: combine reads it a row at a time), or as the shared expert's weight in a choice
+    k + 1 of expert E; 15 experts and the gate over 4 programs of 4
     rows a token, the gate's logit the largest of the row (a choice that looked at it would take it), the
     ticket of each token back at zero after."""
     gen = torch.Generator().manual_seed(T + 10 * bias)
@@ -86,10 +89,16 @@ def test_router_with_the_shared_gate_as_its_last_row_hands_back_its_logit(bias, 
     counters = router_counters(torch.device(DEVICE))
     d = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     want_w, want_ids = router(d(x), d(weight[:E].contiguous()), d(b[:E] if bias else None), k, True, True, counters)
-    w, ids, logit = router(d(x), d(weight), d(b), k, True, True, counters, shared_gate=True)
+    w, ids, logit = router(d(x), d(weight), d(b), k, True, True, counters, shared_gate=GATE_LOGIT)
     assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
     assert logit.shape == (T,) and logit.is_contiguous()
     assert torch.allclose(logit.cpu().double(), x.double() @ weight[E].double(), rtol=1e-5, atol=1e-5)
+    assert not counters.any()
+    # GATE_EXPERT: the shared expert (id E) is every token's choice k + 1, its weight the gate's sigmoid
+    w2, ids2 = router(d(x), d(weight), d(b), k, True, True, counters, shared_gate=GATE_EXPERT)
+    assert w2.shape == ids2.shape == (T, k + 1)
+    assert torch.equal(ids2[:, :k], ids) and torch.equal(w2[:, :k], w) and (ids2[:, k] == E).all()
+    assert torch.allclose(w2[:, k], torch.sigmoid(logit), rtol=1e-6, atol=1e-7)
     assert not counters.any()
 
 

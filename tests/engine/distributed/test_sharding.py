@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from vegaserve.engine.distributed.sharding import slice_cols, slice_rows, vocab_slice
+from vegaserve.engine.distributed.sharding import append_expert, slice_cols, slice_rows, vocab_slice
 from vegaserve.engine.gguf_file import ModelLoadError, TensorInfo
 from vegaserve.engine.layers.linear import WeightSource
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize, spec_for
@@ -53,3 +55,19 @@ def test_vocab_slices_cover_the_vocabulary_once(vocab: int, tp: int) -> None:
         widths.add(width)
         assert rows <= width
     assert covered == list(range(vocab)) and len(widths) == 1
+
+
+def test_a_matrix_appended_to_an_expert_stack_is_its_last_expert() -> None:
+    """append_expert: [E, rows, cols] and a [rows, cols] matrix of the same type -> [E + 1, rows, cols] whose
+    experts dequantize to the stack's and then the matrix; another type or shape is refused, both named."""
+    one = source("Q4_K", 6, 512, seed=1)
+    parts = source("Q4_K", 3 * 6, 512, seed=2)
+    stack = WeightSource(dataclasses.replace(parts.info, shape=(3, 6, 512)), parts.raw, parts.path)
+    both = append_expert(stack, one)
+    assert both.info.shape == (4, 6, 512) and both.info.n_bytes == both.raw.numel()
+    whole = dequantize(both.raw, both.info.type_id, (24, 512))
+    assert torch.equal(whole[:18], dense(parts)) and torch.equal(whole[18:], dense(one))
+    with pytest.raises(ModelLoadError, match=r"\(Q8_0, \[6, 512\]\) is no expert of .* \(Q4_K, \[3, 6, 512\]\)"):
+        append_expert(stack, source("Q8_0", 6, 512))
+    with pytest.raises(ModelLoadError, match="is no expert of"):
+        append_expert(stack, source("Q4_K", 5, 512))
