@@ -12,7 +12,8 @@ the recurrent state each sequence keeps for it between steps.
 On a CPU each sequence goes through the torch references (triton_kernels/conv1d.py, delta_rule.py) one after
 another (the chunked rule for a prompt, the token-by-token one for a decode step); on a GPU, or for a decode
 graph's static batch, the kernels take the whole flat batch: the one-step forms when every sequence brings one
-token, else the prefill forms.
+token, else the prefill forms. The normalizations and gates around the rule are one launch before it and
+one after it (triton_kernels/delta_io.py), whose torch references are the CPU path's.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vegaserve.engine.forward_batch import ForwardBatch
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.norm import Q8_1
 from vegaserve.engine.models.hybrid_config import HybridConfig
+from vegaserve.triton_kernels import delta_io
 from vegaserve.triton_kernels.conv1d import causal_conv1d_ref
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked_ref, delta_rule_recurrent_ref, expand_heads
 
@@ -157,9 +158,9 @@ class GatedDeltaNet(nn.Module):
         self.cfg, self.eps, self.hidden, self.method = cfg, eps, hidden, method
         self.state_layer = state_layer  # its place in this rank's RecurrentState
         hv = cfg.v_heads
-        self.split = [cfg.conv_dim, cfg.value_dim, hv, hv]
-        self.in_proj = QuantLinear(hidden, self.split, method)
+        self.in_proj = QuantLinear(hidden, [cfg.conv_dim, cfg.value_dim, hv, hv], method)
         self.interleaved_ba = False  # qwen3next: one ssm_ba matrix, [beta, alpha] per key head's value heads
+        self.gate_cols = self._gate_columns()
         self.out_proj = QuantLinear(cfg.value_dim, [hidden], method)
         self.conv_w = torch.empty(0)  # [conv_dim, K] f32
         self.ssm_a = torch.empty(0)  # [v_heads] f32, -exp(A_log)
@@ -196,66 +197,62 @@ class GatedDeltaNet(nn.Module):
         self.ssm_a = w.vector(prefix + "ssm_a", (full.v_heads,))[picked]
         self.dt_bias = w.vector(prefix + "ssm_dt.bias", (full.v_heads,))[picked]
         self.norm_w = w.vector(prefix + "ssm_norm.weight", (cfg.head_dim,))
+        self.gate_cols = self._gate_columns().to(w.device)
+
+    def _gate_columns(self) -> torch.Tensor:
+        """[2, HV] int32: the in-projection's output column of each value head's beta, then of its alpha."""
+        cfg, hv = self.cfg, self.cfg.v_heads
+        base, h = cfg.conv_dim + cfg.value_dim, torch.arange(hv)
+        if self.interleaved_ba:  # [beta x r, alpha x r] for each key head's r value heads
+            r = hv // cfg.k_heads
+            b = base + h // r * 2 * r + h % r
+            return torch.stack([b, b + r]).to(torch.int32)
+        return torch.stack([base + h, base + hv + h]).to(torch.int32)
 
     def wants_q8_1(self, m: int) -> bool:
         return self.in_proj.wants_q8_1(m)
 
     def forward(self, x: torch.Tensor, xq: Q8_1 | None, state: RecurrentState, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (the normed input; xq its q8_1 copy where wants_q8_1) -> [T, hidden]."""
-        cfg, T, hv = self.cfg, x.shape[0], self.cfg.v_heads
+        cfg, T, hv, D = self.cfg, x.shape[0], self.cfg.v_heads, self.cfg.head_dim
         proj = self.in_proj(x, xq)
-        if self.interleaved_ba:
-            mixed, z, ba = proj.split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
-            ba = ba.reshape(T, cfg.k_heads, 2, hv // cfg.k_heads)
-            b, a = ba[:, :, 0].reshape(T, hv), ba[:, :, 1].reshape(T, hv)
-        else:
-            mixed, z, b, a = proj.split(self.split, dim=-1)
-        beta = torch.sigmoid(b.float())
-        g = self.ssm_a * F.softplus(a.float() + self.dt_bias)
+        mixed, z = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim : cfg.conv_dim + cfg.value_dim]
         conv, ssm = state.conv[self.state_layer], state.ssm[self.state_layer]
         snap = batch.snapshot
         if x.is_cuda or not batch.seqs:
-            o, k, v = self._kernels(mixed.contiguous(), g, beta, conv, ssm, batch)
+            o, k, v, g, beta = self._kernels(mixed, proj, conv, ssm, batch)
+            out, oq = delta_io.output(o, z, self.norm_w, self.eps, x.dtype, self.out_proj.wants_q8_1(T))
         else:
-            o = torch.empty(T, hv, cfg.head_dim, dtype=torch.float32, device=x.device)
-            # (a snapshot keeps every row's k and v, before the heads are expanded)
-            k = torch.empty(T, cfg.k_heads, cfg.head_dim, device=x.device) if snap is not None else None
-            v = torch.empty(T, hv, cfg.head_dim, device=x.device) if snap is not None else None
-            verifying = {slot for slot, _, _ in snap.seqs} if snap is not None else set()
+            gates = proj[:, self.gate_cols.cpu().long()]  # [T, 2, HV]: each value head's beta and alpha
+            y = torch.empty_like(mixed)
             for s in batch.seqs:
                 if s.state_slot < 0:  # -1 would index the last slot: another sequence's state
                     raise ValueError("a hybrid model's step needs every sequence's state slot (StepPlan.state_slots)")
                 rows = slice(s.offset, s.offset + s.n)
-                keep = s.start > 0
-                y, conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w, conv[s.state_slot] if keep else None)
-                qs, ks, vs = self._qkv(y)
-                if snap is not None:
-                    k[rows], v[rows] = ks, vs
-                qs, ks = (expand_heads(t, hv, cfg.tiled) for t in (qs, ks))
+                y[rows], conv[s.state_slot] = causal_conv1d_ref(mixed[rows], self.conv_w,
+                                                                conv[s.state_slot] if s.start > 0 else None)
+            q, k, g, beta = delta_io.reference_inputs(y, gates[:, 0], gates[:, 1], self.ssm_a, self.dt_bias,
+                                                      cfg.k_heads, D, self.eps)
+            v = y[:, 2 * cfg.key_dim :].float().reshape(T, hv, D)
+            o = torch.empty(T, hv, D, dtype=torch.float32, device=x.device)
+            verifying = {slot for slot, _, _ in snap.seqs} if snap is not None else set()
+            for s in batch.seqs:
+                rows = slice(s.offset, s.offset + s.n)
+                qs, ks = (expand_heads(t[rows], hv, cfg.tiled) for t in (q, k))
                 # decode, and a verify step's rows (as decode computes them): token by token; prompts in chunks
                 one_by_one = s.n == 1 or s.state_slot in verifying
                 rule = delta_rule_recurrent_ref if one_by_one else delta_rule_chunked_ref
-                o[rows], ssm[s.state_slot] = rule(qs, ks, vs, g[rows], beta[rows], ssm[s.state_slot] if keep else None)
+                o[rows], ssm[s.state_slot] = rule(qs, ks, v[rows], g[rows], beta[rows],
+                                                  ssm[s.state_slot] if s.start > 0 else None)
+            out, oq = delta_io.reference_output(o, z, self.norm_w, self.eps).to(x.dtype), None
         if snap is not None:  # the snapshotted rows' inputs to the state, for a roll back after verification
             batch.saved[self.state_layer] = tuple(t[snap.rows] for t in (mixed, k, v, g, beta))
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w
-        o = (o * F.silu(z.float().view(T, hv, cfg.head_dim))).to(x.dtype)
-        return self.out_proj(o.view(T, cfg.value_dim))
+        return self.out_proj(out, oq)
 
-    def _qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output [n, conv_dim] -> q, k [n, k_heads, D] (l2-normalized, q scaled by
-        1 / sqrt(D)), v [n, v_heads, D], f32."""
-        cfg, n = self.cfg, y.shape[0]
-        q, k, v = y.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        q, k = (t.reshape(n, cfg.k_heads, cfg.head_dim) for t in (q, k))
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + self.eps) * cfg.head_dim ** -0.5
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + self.eps)
-        return q, k, v.reshape(n, cfg.v_heads, cfg.head_dim)
-
-    def _kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _kernels(self, mixed: torch.Tensor, proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                 batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch): (o, and the
-        rows' k and v, which a snapshot keeps)."""
+        rows' k, v, g and beta, which a snapshot keeps)."""
         from vegaserve.triton_kernels.conv1d import conv1d_prefill, conv1d_update
         from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
         from vegaserve.triton_kernels.delta_rule_chunked import delta_rule_chunked
@@ -266,8 +263,11 @@ class GatedDeltaNet(nn.Module):
             y = conv1d_update(mixed, self.conv_w, conv, r.slots, r.has_state)
         else:
             y = conv1d_prefill(mixed, self.conv_w, conv, r.slots, r.has_state, r.query_start)
-        q, k, v = self._qkv(y)
+        q, k, g, beta = delta_io.inputs(y, proj, self.gate_cols, self.ssm_a, self.dt_bias, cfg.k_heads, cfg.head_dim,
+                                        self.eps)
+        v = y[:, 2 * cfg.key_dim :].view(y.shape[0], cfg.v_heads, cfg.head_dim)
         # a verify step's few rows a sequence token by token, as decode computes them; prompts in chunks
         one_by_one = decode or (batch.snapshot is not None and r.max_query_len <= ONE_BY_ONE_ROWS)
         rule = delta_rule_recurrent if one_by_one else delta_rule_chunked
-        return rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled), k, v
+        o = rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
+        return o, k, v, g, beta
