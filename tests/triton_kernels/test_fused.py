@@ -81,25 +81,25 @@ def test_add_rms_norm_of_an_expert_sum_equals_the_sums_launch_then_the_add(with_
 
 
 def test_the_norms_add_forward_and_add_delta_sum_an_expert_sum_wherever_they_run():
-    """RMSNorm.add_forward and norm.add_delta take an ExpertSum on any device (off a GPU: the sum's
-    launch, then the torch add and norm) and give what the summed tensor gives; parts that do not fit the
-    residual stream are refused with their shapes."""
+    """RMSNorm.add_forward and norm.add_delta take an ExpertSum on either device (on a GPU the norm's
+    launch sums it, off one the sum's launch runs first, then the torch add and norm) and give what the
+    summed tensor gives; parts that do not fit the residual stream are refused with their shapes."""
     from vegaserve.engine.layers.norm import add_delta
     from vegaserve.triton_kernels.moe_ops import ExpertSum, combine
 
     gen = torch.Generator().manual_seed(5)
     T, k, n = 2, 3, 64
-    parts = ExpertSum(torch.randn(T * k, n, generator=gen), torch.rand(T, k, generator=gen),
-                      torch.randint(0, 4, (T, k), generator=gen))
-    h = torch.randn(T, n, generator=gen)
-    norm = RMSNorm(n, 1e-6)
-    norm.weight.data = torch.randn(n, generator=gen)
+    parts = ExpertSum(torch.randn(T * k, n, generator=gen).to(DEVICE), torch.rand(T, k, generator=gen).to(DEVICE),
+                      torch.randint(0, 4, (T, k), generator=gen).to(DEVICE))
+    h = torch.randn(T, n, generator=gen).to(DEVICE)
+    norm = RMSNorm(n, 1e-6).to(DEVICE)
+    norm.weight.data = torch.randn(n, generator=gen).to(DEVICE)
     summed = combine(*parts)
     assert torch.equal(add_delta(h, parts), h + summed)
     for a, b in zip(norm.add_forward(h, parts), norm.add_forward(h, summed)):
         assert (a is None and b is None) or torch.equal(a, b)
     with pytest.raises(ValueError, match=r"experts' sum \[2, 64\]"):
-        add_rms_norm(torch.zeros(3, n), parts, norm.weight, 1e-6)
+        add_rms_norm(torch.zeros(3, n, device=DEVICE), parts, norm.weight, 1e-6)
     with pytest.raises(ValueError, match="rows for 2 tokens of 3 experts"):
         add_rms_norm(h, parts._replace(y=parts.y[:5]), norm.weight, 1e-6)
 
