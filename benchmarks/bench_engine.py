@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--spec-type", default="none",
                     help="speculative decoding while timing (e.g. draft-mtp: on a random model almost no guess is "
                     "kept, so the decode rate against --spec-type none is the speculation's overhead)")
+    ap.add_argument("--pp-table", default=None,
+                    help="profile one more --pp prompt and write its kernels by device time to this file")
     ap.add_argument("--host-table", default=None,
                     help="write the profiled graph-mode step's top host ops (self CPU time) and kernels "
                          "(device time) to this file")
@@ -169,6 +171,14 @@ def main() -> None:
         pps = [args.pp / _timed_request(core, args.pp, 1, g)[0] for _ in range(args.runs + 1)][1:]
         result[f"pp{args.pp}"] = statistics.median(pps)
         _row((f"pp{args.pp}", "-", f"{statistics.median(pps):.0f}", " ".join(f"{r:.0f}" for r in pps)))
+        if args.pp_table:  # one more prompt under the profiler: its kernels by device time
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _timed_request(core, args.pp, 1, g)
+                torch.cuda.synchronize()
+            with open(args.pp_table, "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
     if core.spec is not None:
         st = core.stats()
         result["spec"] = {"drafts": st.spec_num_drafts, "draft_tokens": st.spec_num_draft_tokens,
