@@ -6,7 +6,9 @@ communicator's policy path. Each rank is custom_ar_ranks.py in a process of its 
 
 Ranks sharing one GPU run by time slices (no MPS): a rank's kernel spins until its peers' kernels get the
 GPU, each call costs several time slices: 4 and 8 ranks on one GPU run 50 back-to-back calls (2 ranks there
-ran 10,000 in under a minute on an H100; 4 ranks did not finish 2,000 in one)."""
+ran 10,000 in under a minute on an H100; 4 ranks did not finish 2,000 in one). Under MPS the 10,000 at 4 and
+8 ranks on one GPU take benchmarks/bench_allreduce_ranks.py (docs/PERFORMANCE.md: 9.2 and 20.3 s on an
+H100)."""
 
 from __future__ import annotations
 
