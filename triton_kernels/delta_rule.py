@@ -1,6 +1,6 @@
 """The gated delta rule of a gated DeltaNet layer, over a flat batch of sequences, each with its recurrent state
-in a slot: the one-step recurrence (decode) and the torch references. The chunked form for prompts is in
-delta_rule_chunked.py.
+in a slot: the token-by-token recurrence (decode and prompts alike) and the torch references, the chunked
+one the CPU path's for prompts.
 
 Layout: q, k [T, HK, D] (l2-normalized; q also scaled by 1 / sqrt(D)), v [T, HV, D], g [T, HV] (log decay,
 <= 0), beta [T, HV], all rows of all sequences concatenated (sequence s owns rows query_start[s] ..
@@ -75,7 +75,7 @@ def check_inputs(q, k, v, g, beta, state, slots) -> tuple[int, int, int]:
 
 
 def strided_args(q, k, v, g, beta, o, state, slots, has_state, query_start) -> tuple:
-    """The pointer and stride arguments of this file's kernel and of delta_rule_chunked.py's, in their order."""
+    """The pointer and stride arguments of this file's kernel, in their order."""
     return (q, k, v, g, beta, o, state, slots, has_state, query_start,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
             beta.stride(0), o.stride(0), o.stride(1), state.stride(0), state.stride(1))
@@ -121,8 +121,9 @@ def delta_rule_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def delta_rule_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor | None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in chunks of `chunk` tokens (delta_rule_chunked.py's math, in torch): inside a chunk, with
-    G the decay's running sum from the chunk's start and S0 the state before it,
+    """The same in chunks of `chunk` tokens (the CPU path's for prompts: a few matrix products a chunk where the
+    recurrence takes a loop step a token): inside a chunk, with G the decay's running sum from the chunk's
+    start and S0 the state before it,
 
         (I + A) u = beta (v - exp(G) K S0),   A[i, j] = beta_i exp(G_i - G_j) k_i . k_j  for j < i
         o = exp(G) Q S0 + (exp(G_i - G_j) q_i . k_j, j <= i) u
@@ -143,7 +144,7 @@ def delta_rule_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     decay = lambda m: torch.where(m, diff, torch.full_like(diff, float("-inf"))).exp()  # noqa: E731
     A = beta[..., :, None] * decay(lower) * (k @ k.transpose(-1, -2))
     # (I + A) X = [beta v, beta exp(G) k] by forward substitution, row by row, every chunk and head at once
-    # (as the kernel solves it; torch's batched triangular solve is ~100x slower at these sizes on a CPU)
+    # (torch's batched triangular solve is ~100x slower at these sizes on a CPU)
     x = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
     for r in range(1, chunk):
         x[..., r, :] -= (A[..., r, :r, None] * x[..., :r, :]).sum(-2)

@@ -11,8 +11,8 @@ the recurrent state each sequence keeps for it between steps.
 
 On a CPU each sequence goes through the torch references (triton_kernels/conv1d.py, delta_rule.py) one after
 another (the chunked rule for a prompt, the token-by-token one for a decode step); on a GPU, or for a decode
-graph's static batch, the kernels take the whole flat batch: the one-step forms when every sequence brings one
-token, else the prefill forms. The normalizations and gates around the rule are one launch before it and
+graph's static batch, the kernels take the whole flat batch: the convolution's one-step form when every
+sequence brings one token, else its prefill form, and the delta rule token by token either way. The normalizations and gates around the rule are one launch before it and
 one after it (triton_kernels/delta_io.py), whose torch references are the CPU path's.
 """
 
@@ -31,10 +31,6 @@ from vegaserve.triton_kernels import delta_io
 from vegaserve.triton_kernels.conv1d import causal_conv1d_ref
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked_ref, delta_rule_recurrent_ref, expand_heads
 
-
-# A step with verify rows takes the token-by-token delta rule while no sequence brings more rows than this
-# (speculative decoding's drafts, at most --draft-max + 1): a verify row then computes as decode does.
-ONE_BY_ONE_ROWS = 64
 
 
 class RecurrentState:
@@ -255,7 +251,6 @@ class GatedDeltaNet(nn.Module):
         rows' k, v, g and beta, which a snapshot keeps)."""
         from vegaserve.triton_kernels.conv1d import conv1d_prefill, conv1d_update
         from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
-        from vegaserve.triton_kernels.delta_rule_chunked import delta_rule_chunked
 
         cfg, r = self.cfg, batch.recurrent
         decode = r.max_query_len == 1
@@ -266,8 +261,8 @@ class GatedDeltaNet(nn.Module):
         q, k, g, beta = delta_io.inputs(y, proj, self.gate_cols, self.ssm_a, self.dt_bias, cfg.k_heads, cfg.head_dim,
                                         self.eps)
         v = y[:, 2 * cfg.key_dim :].view(y.shape[0], cfg.v_heads, cfg.head_dim)
-        # a verify step's few rows a sequence token by token, as decode computes them; prompts in chunks
-        one_by_one = decode or (batch.snapshot is not None and r.max_query_len <= ONE_BY_ONE_ROWS)
-        rule = delta_rule_recurrent if one_by_one else delta_rule_chunked
-        o = rule(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
+        # every row token by token, prompts too: the chunked form's kernel (one chunk's solve and products
+        # in a program) spilled 51 KB of registers on sm_90 and took 59.6 ms a layer for 2048 tokens on an
+        # H100; this one holds its state block in 102 registers (docs/ARCHITECTURE.md, Compute)
+        o = delta_rule_recurrent(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
         return o, k, v, g, beta

@@ -1,9 +1,9 @@
-"""The gated DeltaNet kernels (triton_kernels/conv1d.py, delta_rule.py, delta_rule_chunked.py) against their
-torch references, under the interpreter at small shapes: a flat batch of sequences of 1 to 70 tokens (a
-chunk boundary crossed, a sequence of exactly one chunk), some going on from their slot's state and some
-starting from zeros over a slot holding garbage, value heads tiled and grouped over the key heads; outputs
-poisoned with NaN. Also: the chunked reference equals the token-by-token one, and every kernel compiles for an
-NVIDIA sm_90 and an AMD gfx906 target at Qwen3.6's head width (the interpreter accepts code compilers reject).
+"""The gated DeltaNet kernels (triton_kernels/conv1d.py, delta_rule.py) against their torch references, under
+the interpreter at small shapes: a flat batch of sequences of 1 to 70 tokens (prompts and decode steps
+alike, some going on from their slot's state and some starting from zeros over a slot holding garbage),
+value heads tiled and grouped over the key heads; outputs poisoned with NaN. Also: the chunked reference (the
+CPU path's for prompts) equals the token-by-token one, and every kernel compiles for an NVIDIA sm_90 and an
+AMD gfx906 target at Qwen3.6's head width (the interpreter accepts code compilers reject).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from vegaserve.triton_kernels.conv1d import causal_conv1d_ref, conv1d_prefill, c
 from vegaserve.triton_kernels.delta_rule import (
     delta_rule_chunked_ref, delta_rule_recurrent, delta_rule_recurrent_ref, expand_heads,
 )
-from vegaserve.triton_kernels.delta_rule_chunked import delta_rule_chunked
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -56,13 +55,12 @@ def test_the_chunked_reference_equals_the_token_by_token_one():
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "grouped"])
-@pytest.mark.parametrize("kernel, lengths", [(delta_rule_chunked, LENGTHS), (delta_rule_recurrent, [1, 1, 3, 1])],
-                         ids=["chunked", "recurrent"])
-def test_delta_rule_kernels_equal_the_reference_per_sequence(kernel, lengths, tiled):
+@pytest.mark.parametrize("lengths", [LENGTHS, [1, 1, 3, 1]], ids=["prompts", "decode"])
+def test_the_delta_rule_kernel_equals_the_reference_per_sequence(lengths, tiled):
     q, k, v, g, beta, state, starts = _batch(lengths, seed=len(lengths) + tiled)
     slots, has = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(HAS_STATE, dtype=torch.int32)
     new = state.clone().to(DEVICE)
-    o = kernel(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled).cpu()
+    o = delta_rule_recurrent(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled).cpu()
     new = new.cpu()
     for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
         s0 = state[SLOTS[i]] if HAS_STATE[i] else None
@@ -110,7 +108,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vegaserve.triton_kernels import conv1d, delta_rule, delta_rule_chunked
+from vegaserve.triton_kernels import conv1d, delta_rule
 
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
@@ -124,7 +122,6 @@ def build(fn, consts, opts):
 
 # Qwen3.6-27B: 16 key heads, 48 value heads of 128, tiled; a convolution of width 4 over 10240 channels
 heads = dict(HK=16, HV=48, TILED=True, D=128)
-build(delta_rule_chunked._delta_rule_chunked_kernel, dict(heads, BV=32, CHUNK=64, PRECISION="ieee"), {"num_warps": 4})
 build(delta_rule._delta_rule_recurrent_kernel, dict(heads, BV=32), {"num_warps": 4})
 build(conv1d._conv1d_prefill_kernel, dict(K=4, BLOCK_T=32, BLOCK_C=128), {"num_warps": 4})
 build(conv1d._conv1d_update_kernel, dict(K=4, BLOCK_C=256), {"num_warps": 4})
