@@ -89,7 +89,10 @@ class MoE(nn.Module):
     lane may hold a block more than its neighbour), gate and up by the same range of rows, so each lane's
     output is a partial sum that the layer's one AllReduce completes. The shared expert is split
     the same way (shared_split), its partial folded into that AllReduce, or held whole by every lane and
-    added by lane 0 alone. Expert biases: gate and up sliced, down's added by lane 0."""
+    added by lane 0 alone. Expert biases: gate and up sliced, down's added by lane 0.
+
+    A shared expert of the experts' size and tensor types on a lane joins their stacks as expert E
+    (`joined`): every token's choice k + 1, weighted by its gate, through the experts' own launches."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, method: QuantMethod, tp: int = 1, lane: int = 0,
                  shared_split: bool = True) -> None:
