@@ -1,5 +1,5 @@
 """The small per-layer operations of a decoder as one launch each: RMSNorm (alone or after the residual
-add), rotary embedding, SiLU-mul.
+add), rotary embedding, SiLU-mul, and gated attention's output gate.
 
 In torch each is a chain of 3-12 elementwise, reduce and index kernels of 1-3 us; on an 8B decode step
 they were ~600 launches and a third of the kernel time. Each kernel here reads
@@ -317,3 +317,36 @@ def silu_mul(gate_up: torch.Tensor, q8_1: bool = False) -> torch.Tensor | tuple[
                                                       BLOCK=block, Q8=q8 is not None,
                                                       **pdl.launch_args(gate_up.device))
     return (y, q8) if q8_1 else y
+
+
+@triton.jit
+def _gate_heads_kernel(a_ptr, g_ptr, y_ptr, q_ptr, qd_ptr, qs_ptr, stride_at, stride_ah, stride_gt, stride_gh,
+                       H: tl.constexpr, D: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(0), head program_id(1): y = a sigmoid(gate) over the head's D features."""
+    pdl.let_next_start(PDL)
+    pdl.wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    a = tl.load(a_ptr + t * stride_at + h * stride_ah + d).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d).to(tl.float32)
+    y = (a * (1.0 / (1.0 + tl.exp(-g)))).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * (H * D) + h * D + d, y)
+    if Q8:
+        n = H * D
+        store_q8_1(y.to(tl.float32), h * (D // 32), q_ptr + t * n, qd_ptr + t * (n // 32), qs_ptr + t * (n // 32),
+                   n // 32, D // 32)
+
+
+def gate_heads(a: torch.Tensor, gate: torch.Tensor, q8_1: bool = False) -> tuple[torch.Tensor, Q8_1 | None]:
+    """a, gate [T, H, D] (unit stride along D, D a power of two) -> (a sigmoid(gate) [T, H D] in a's type, its
+    q8_1 where asked (D a multiple of 32), else None): gated attention's output gate, one launch."""
+    T, H, D = a.shape
+    if gate.shape != a.shape or a.stride(2) != 1 or gate.stride(2) != 1 or D & (D - 1) or (q8_1 and D % 32):
+        raise ValueError(f"gate_heads: a {tuple(a.shape)} {a.stride()}, gate {tuple(gate.shape)} {gate.stride()}")
+    y = torch.empty(T, H * D, dtype=a.dtype, device=a.device)
+    q8 = _q8_1_out(q8_1, T, H * D, a)
+    if T:
+        _gate_heads_kernel[(T, H)](a, gate, y, *(q8 or (y, y, y)), a.stride(0), a.stride(1), gate.stride(0),
+                                   gate.stride(1), H=H, D=D, Q8=q8 is not None, **pdl.launch_args(a.device))
+    return y, q8

@@ -41,7 +41,7 @@ from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.engine.models.llama import LlamaModel
 from vegaserve.engine.models.weights import WeightLoader
-from vegaserve.triton_kernels.fused import HeadNorm
+from vegaserve.triton_kernels.fused import HeadNorm, gate_heads
 
 
 class GatedAttention(nn.Module):
@@ -82,16 +82,17 @@ class GatedAttention(nn.Module):
         T, H, D = x.shape[0], self.n_heads, self.head_dim
         qg, k, v = self.qkv(x, xq).split(self.split, dim=-1)
         qg = qg.view(T, H, 2, D)
-        gate = qg[:, :, 1].reshape(T, H * D)
         v = v.reshape(T, self.n_kv, D)
         store = kv_store(v, self.cache_layer, cache, batch, 0)
         # q's heads are apart from k's (a gate between them): a rotation each, the norm in it (weight row 0 for
         # every q head, row 1 for every k head)
         q = rope(qg[:, :, 0], batch.positions, None, HeadNorm(self.qk_norm, H, self.eps))
         k = rope(k.reshape(T, self.n_kv, D), batch.positions, store, HeadNorm(self.qk_norm, 0, self.eps))
-        # the gate comes between the attention and o_proj: no q8_1 copy from the attention kernel
+        # the gate comes between the attention and o_proj: the gate's launch writes o_proj's q8_1 copy
         a, _ = cached_attention(q, k, v, self.cache_layer, cache, batch, self.scale, stored=store is not None)
-        return self.o_proj(a.reshape(T, H * D) * torch.sigmoid(gate.float()).to(a.dtype))
+        if a.is_cuda:
+            return self.o_proj(*gate_heads(a.view(T, H, D), qg[:, :, 1], self.o_proj.wants_q8_1(T)))
+        return self.o_proj(a.reshape(T, H * D) * torch.sigmoid(qg[:, :, 1].reshape(T, H * D).float()).to(a.dtype))
 
 
 class HybridLayer(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from vegaserve.engine.layers.norm import RMSNorm
 from vegaserve.engine.layers.rotary import RotaryEmbedding
 from vegaserve.engine.models.arch_config import RopeScaling
-from vegaserve.triton_kernels.fused import add_rms_norm, rms_norm, rope, silu_mul
+from vegaserve.triton_kernels.fused import add_rms_norm, gate_heads, rms_norm, rope, silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -214,6 +214,28 @@ def test_silu_mul_equals_torch_over_several_column_blocks():
     x = torch.randn(3, 2 * 1500, generator=gen) * 4
     gate, up = x.chunk(2, dim=-1)
     assert rel(silu_mul(x.to(DEVICE)), F.silu(gate) * up) < 1e-6
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_gate_heads_equals_the_torch_gate_on_the_q_rows_view(q8):
+    """Gated attention's output gate: a sigmoid(gate) with the gate a strided view of the q projection's
+    rows (per head, D of query then D of gate, as GatedAttention splits them), its q8_1 copy equal to
+    quantize_q8_1 of the output."""
+    from vegaserve.triton_kernels.q8_1 import quantize_q8_1
+
+    gen = torch.Generator().manual_seed(11 + q8)
+    T, H, D = 3, 4, 64
+    qg = (torch.randn(T, H * 2 * D + 16, generator=gen) * 3)[:, 8 : 8 + H * 2 * D].reshape(T, H, 2, D)
+    a = torch.randn(T, H, D, generator=gen)
+    y, yq = gate_heads(a.to(DEVICE), qg.to(DEVICE)[:, :, 1], q8_1=q8)
+    want = a.reshape(T, H * D) * torch.sigmoid(qg[:, :, 1].reshape(T, H * D))
+    assert y.shape == (T, H * D) and rel(y, want) < 1e-6
+    if q8:
+        assert all(torch.equal(u, v) for u, v in zip(yq, quantize_q8_1(y), strict=True))
+    else:
+        assert yq is None
+    with pytest.raises(ValueError, match="gate_heads"):
+        gate_heads(a, a[:, :2], q8_1=q8)
 
 
 def test_shapes_the_kernels_cannot_take_are_refused():
