@@ -141,6 +141,12 @@ def router_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(ROUTER_ROWS, dtype=torch.int32, device=device)
 
 
+def router_block(rows: int) -> int:
+    """Router rows (experts, and a shared gate) a program of the fused launch takes: about eight programs a
+    token (128 experts of 2048 at 16 a program read 128 KB each)."""
+    return min(32, max(4, triton.next_power_of_2(triton.cdiv(rows, 8))))
+
+
 GATE_LOGIT = 1  # router(shared_gate=...): the shared expert's gate logit handed back beside the choice
 GATE_EXPERT = 2  # or the shared expert (expert E of the stacks) made every token's choice k + 1
 
@@ -177,8 +183,7 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: 
     gate = torch.empty(T, dtype=torch.float32, device=x.device) if shared_gate == GATE_LOGIT else w
     if T:
         logits = torch.empty(T, rows, dtype=torch.float32, device=x.device)
-        # about eight programs a token: 128 experts of 2048 at 16 a program read 128 KB each
-        block_e = min(32, max(4, triton.next_power_of_2(triton.cdiv(rows, 8))))
+        block_e = router_block(rows)
         block_h = min(ROUTER_TILE // block_e, triton.next_power_of_2(H))
         _router_kernel[(T, triton.cdiv(rows, block_e))](
             x, weight, bias if bias is not None else weight, logits, counters, w, ids, gate, E, H, x.stride(0),
