@@ -85,9 +85,9 @@ def _launch_norm(x, delta, h, weight, y, q8, eps, add: bool, experts: ExpertSum 
     # rows are many)
     sl = min(block, _NORM_SLICE) if q8 is not None else block
     _rms_norm_kernel[(T, triton.cdiv(N, sl))](
-        x, delta, h, weight, y, *(q8 or (y, y, y)), x.stride(0), delta.stride(0) if add and experts is None else 0,
-        y.stride(0), N, eps, *(experts.pointers() if experts is not None else (x,) * 6), BLOCK=block, SLICE=sl,
-        ADD=add, Q8=q8 is not None, EXPERTS=experts is not None, K=experts.weights.shape[1] if experts else 1,
+        x, delta, h, weight, y, *(q8 or (y, y, y)), x.stride(0), delta.stride(0) if add else 0, y.stride(0), N,
+        eps, *(experts.pointers() if experts is not None else (x,) * 6), BLOCK=block, SLICE=sl, ADD=add,
+        Q8=q8 is not None, EXPERTS=experts is not None, K=experts.weights.shape[1] if experts is not None else 1,
         EBIAS=experts is not None and experts.bias is not None,
         ESHARED=experts is not None and experts.shared is not None, **pdl.launch_args(x.device))
 
@@ -125,8 +125,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | ExpertSum, weight: torch
         if (T, H) != tuple(x.shape) or x.dtype != torch.float32:
             raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and the experts' sum [{T}, {H}] f32 "
                              "differ")
-        experts = delta
-        delta = x
+        experts, delta = delta, x  # (the kernel reads the experts' parts, not delta)
     else:
         experts = None
         _check_rows("add_rms_norm", delta)

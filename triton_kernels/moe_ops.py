@@ -8,7 +8,9 @@ torch code is their reference and the CPU path):
   router   the same from the normed input x [T, H] and the router's weight [E, H] (+ bias): for a decode
            step's few rows the logits and the choice are one launch (programs a block of experts each; the
            last of a token's to finish chooses), else the logits through torch's matmul, then route. The
-           shared expert's gate rides along as one more row, its logit handed back beside the choice.
+           shared expert's gate rides along as one more row: its logit handed back beside the choice
+           (GATE_LOGIT), or the shared expert made every token's choice k + 1 with the logit's sigmoid as
+           its weight (GATE_EXPERT: the shared expert is expert E of the stacks, with_shared_expert).
   act      each assignment's gate/up [A, 2F] (+ its expert's biases) -> silu(g) * u, or gpt-oss's clamped
            SwiGLU min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1), with its q8_1 copy for the
            down projection's int8 kernels where asked.
@@ -151,6 +153,14 @@ GATE_LOGIT = 1  # router(shared_gate=...): the shared expert's gate logit handed
 GATE_EXPERT = 2  # or the shared expert (expert E of the stacks) made every token's choice k + 1
 
 
+def with_shared_expert(weights: torch.Tensor, ids: torch.Tensor, gate_logit: torch.Tensor,
+                       expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's choice (weights and ids [T, k]) with the shared expert, id `expert`, as its k + 1st,
+    weighted by the sigmoid of its gate's logit [T, 1]: GATE_EXPERT in torch (the CPU path's too)."""
+    return (torch.cat([weights, torch.sigmoid(gate_logit)], dim=1),
+            torch.cat([ids, torch.full_like(ids[:, :1], expert)], dim=1))
+
+
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, softmax: bool, norm: bool,
            counters: torch.Tensor, shared_gate: int = 0) -> tuple[torch.Tensor, ...]:
     """x [T, H] (unit stride over H), weight [E, H] f32 contiguous, bias [E] f32 or None -> route of the
@@ -172,8 +182,7 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: 
         if shared_gate == GATE_LOGIT:
             return w, ids, logits[:, E].contiguous()
         if shared_gate == GATE_EXPERT:
-            return (torch.cat([w, torch.sigmoid(logits[:, E:])], dim=1),
-                    torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1))
+            return with_shared_expert(w, ids, logits[:, E:], E)
         return w, ids
     if not 1 <= k <= E:
         raise ValueError(f"route: top {k} of {E} experts")

@@ -12,8 +12,9 @@ the recurrent state each sequence keeps for it between steps.
 On a CPU each sequence goes through the torch references (triton_kernels/conv1d.py, delta_rule.py) one after
 another (the chunked rule for a prompt, the token-by-token one for a decode step); on a GPU, or for a decode
 graph's static batch, the kernels take the whole flat batch: the convolution's one-step form when every
-sequence brings one token, else its prefill form, and the delta rule token by token either way. The normalizations and gates around the rule are one launch before it and
-one after it (triton_kernels/delta_io.py), whose torch references are the CPU path's.
+sequence brings one token, else its prefill form, and the delta rule token by token either way. The
+normalizations and gates around the rule are one launch before it and one after it
+(triton_kernels/delta_io.py), whose torch references are the CPU path's.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class GatedDeltaNet(nn.Module):
             o, k, v, g, beta = self._kernels(mixed, proj, conv, ssm, batch)
             out, oq = delta_io.output(o, z, self.norm_w, self.eps, x.dtype, self.out_proj.wants_q8_1(T))
         else:
-            gates = proj[:, self.gate_cols.cpu().long()]  # [T, 2, HV]: each value head's beta and alpha
+            gates = proj[:, self.gate_cols]  # [T, 2, HV]: each value head's beta and alpha
             y = torch.empty_like(mixed)
             for s in batch.seqs:
                 if s.state_slot < 0:  # -1 would index the last slot: another sequence's state
@@ -262,7 +263,7 @@ class GatedDeltaNet(nn.Module):
                                         self.eps)
         v = y[:, 2 * cfg.key_dim :].view(y.shape[0], cfg.v_heads, cfg.head_dim)
         # every row token by token, prompts too: the chunked form's kernel (one chunk's solve and products
-        # in a program) spilled 51 KB of registers on sm_90 and took 59.6 ms a layer for 2048 tokens on an
-        # H100; this one holds its state block in 102 registers (docs/ARCHITECTURE.md, Compute)
+        # in a program) took 59.6 ms a layer for 2048 tokens on an H100, with 51 KB of spill stores in an
+        # offline sm_90 build; this one spills nothing (docs/ARCHITECTURE.md, Compute)
         o = delta_rule_recurrent(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
         return o, k, v, g, beta

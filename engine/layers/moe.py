@@ -190,8 +190,7 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = route(logits[:, :E], self.cfg)
         if self.joined:  # the shared expert: expert E of every token, weighted by its gate
-            weights = torch.cat([weights, torch.sigmoid(logits[:, E:])], dim=1)
-            ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+            weights, ids = moe_ops.with_shared_expert(weights, ids, logits[:, E:], E)
         k, a = ids.shape[1], ids.reshape(-1)
         h = expert_act(self.gate_up(x, a, k, T), self.cfg)
         y = self.down(h, a, 1, T).view(T, k, self.hidden)

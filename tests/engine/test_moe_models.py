@@ -107,7 +107,7 @@ def test_a_layers_unsummed_expert_outputs_reach_the_next_norm_and_the_last_add(d
     import torch.nn.functional as F
 
     from vegaserve.engine.layers import moe
-    from vegaserve.triton_kernels.moe_ops import ExpertSum
+    from vegaserve.triton_kernels.moe_ops import ExpertSum, with_shared_expert
 
     calls = []
 
@@ -117,8 +117,7 @@ def test_a_layers_unsummed_expert_outputs_reach_the_next_norm_and_the_last_add(d
         logits = F.linear(x.float(), self.router, self.router_bias)
         weights, ids = moe.route(logits[:, :E], self.cfg)
         if self.joined:  # the shared expert as expert E of the stacks (qwen35moe)
-            weights = torch.cat([weights, torch.sigmoid(logits[:, E:])], dim=1)
-            ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+            weights, ids = with_shared_expert(weights, ids, logits[:, E:], E)
         k, a = ids.shape[1], ids.reshape(-1)
         y = self.down(moe.expert_act(self.gate_up(x, a, k, T), self.cfg), a, 1, T, add_bias=False)
         shared = logit = None
