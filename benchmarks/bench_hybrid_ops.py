@@ -1,8 +1,10 @@
 """Two kernels of a hybrid mixture-of-experts decode and prompt, timed alone on one GPU (triton's do_bench,
 L2 flushed between calls):
 
-  delta rule   delta_rule_recurrent over one prompt of --tokens tokens (Qwen3.6's heads: 16 key heads, 32 or
-               48 value heads of 128), the whole prompt token by token as the engine runs it;
+  delta rule   one prompt of --tokens tokens (Qwen3.6's heads: 16 key heads, 32 or 48 value heads of 128)
+               through delta_rule_chunked as the engine runs it (f32 products as three tf32 passes), the
+               same with one tf32 pass, and token by token (delta_rule_recurrent), each checked against
+               the token-by-token result first;
   router       moe_ops.router's launch for one token at each --blocks experts a program (Qwen3.6-35B-A3B: 256
                experts and the shared gate over hidden 2048; Qwen3-30B-A3B: 128), against the block the
                launcher picks.
@@ -19,11 +21,12 @@ import argparse
 import torch
 import triton
 
-from vegaserve.triton_kernels import moe_ops, pdl
-from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
+from vegaserve.triton_kernels import delta_rule, moe_ops, pdl
+from vegaserve.triton_kernels.delta_rule import delta_rule_chunked, delta_rule_recurrent
 
 
-def delta_rule_ms(T: int, hk: int, hv: int, d: int = 128) -> float:
+def delta_rule_ms(T: int, hk: int, hv: int, d: int = 128) -> dict[str, tuple[float, float]]:
+    """{form: (ms, largest difference of its output from the token-by-token one)}"""
     dev = "cuda"
     q = torch.nn.functional.normalize(torch.randn(T, hk, d, device=dev), dim=-1) * d ** -0.5
     k = torch.nn.functional.normalize(torch.randn(T, hk, d, device=dev), dim=-1)
@@ -33,8 +36,19 @@ def delta_rule_ms(T: int, hk: int, hv: int, d: int = 128) -> float:
     state = torch.zeros(1, hv, d, d, device=dev)
     zeros = torch.zeros(1, dtype=torch.int32, device=dev)
     starts = torch.tensor([0, T], dtype=torch.int32, device=dev)
-    return triton.testing.do_bench(lambda: delta_rule_recurrent(q, k, v, g, beta, state, zeros, zeros, starts, True),
-                                   warmup=2, rep=200)
+    forms = {"recurrent": lambda: delta_rule_recurrent(q, k, v, g, beta, state, zeros, zeros, starts, True),
+             "chunked": lambda: delta_rule_chunked(q, k, v, g, beta, state, zeros, zeros, starts, T, True)}
+    want = forms["recurrent"]()
+    out = {}
+    for name, precision in (("chunked", "tf32x3"), ("chunked tf32", "tf32"), ("recurrent", None)):
+        shipped, delta_rule.DOT_PRECISION = delta_rule.DOT_PRECISION, precision or delta_rule.DOT_PRECISION
+        try:
+            fn = forms[name.split()[0]]
+            err = (fn() - want).abs().max().item()
+            out[name] = triton.testing.do_bench(fn, warmup=2, rep=200), err
+        finally:
+            delta_rule.DOT_PRECISION = shipped
+    return out
 
 
 def router_us(rows: int, gate: int, block_e: int, hidden: int = 2048, k: int = 8) -> float:
@@ -64,8 +78,9 @@ def main() -> None:
     torch.manual_seed(0)
     for T in map(int, args.tokens.split(",")):
         for hv in (32, 48):
-            ms = delta_rule_ms(T, 16, hv)
-            print(f"delta rule, {T} tokens, 16/{hv} heads: {ms:.2f} ms ({ms * 1e3 / T:.2f} us a token)")
+            for name, (ms, err) in delta_rule_ms(T, 16, hv).items():
+                print(f"delta rule {name}, {T} tokens, 16/{hv} heads: {ms:.3f} ms ({ms * 1e3 / T:.2f} us a token), "
+                      f"largest difference {err:.1e}")
     for rows, gate in ((257, moe_ops.GATE_EXPERT), (128, 0)):
         times = {b: router_us(rows, gate, b) for b in map(int, args.blocks.split(","))}
         print(f"router, {rows} rows: " + ", ".join(f"{b} a program {t:.1f} us" for b, t in times.items())

@@ -12,7 +12,8 @@ the recurrent state each sequence keeps for it between steps.
 On a CPU each sequence goes through the torch references (triton_kernels/conv1d.py, delta_rule.py) one after
 another (the chunked rule for a prompt, the token-by-token one for a decode step); on a GPU, or for a decode
 graph's static batch, the kernels take the whole flat batch: the convolution's one-step form when every
-sequence brings one token, else its prefill form, and the delta rule token by token either way. The
+sequence brings one token, else its prefill form; the delta rule token by token for decode and verify steps,
+in chunks of 64 tokens for a step with prompts. The
 normalizations and gates around the rule are one launch before it and one after it
 (triton_kernels/delta_io.py), whose torch references are the CPU path's.
 """
@@ -251,7 +252,7 @@ class GatedDeltaNet(nn.Module):
         """The whole batch through the Triton kernels (a GPU, or a decode graph's static batch): (o, and the
         rows' k, v, g and beta, which a snapshot keeps)."""
         from vegaserve.triton_kernels.conv1d import conv1d_prefill, conv1d_update
-        from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
+        from vegaserve.triton_kernels.delta_rule import delta_rule_chunked, delta_rule_recurrent
 
         cfg, r = self.cfg, batch.recurrent
         decode = r.max_query_len == 1
@@ -262,8 +263,9 @@ class GatedDeltaNet(nn.Module):
         q, k, g, beta = delta_io.inputs(y, proj, self.gate_cols, self.ssm_a, self.dt_bias, cfg.k_heads, cfg.head_dim,
                                         self.eps)
         v = y[:, 2 * cfg.key_dim :].view(y.shape[0], cfg.v_heads, cfg.head_dim)
-        # every row token by token, prompts too: the chunked form's kernel (one chunk's solve and products
-        # in a program) took 59.6 ms a layer for 2048 tokens on an H100, with 51 KB of spill stores in an
-        # offline sm_90 build; this one spills nothing (docs/ARCHITECTURE.md, Compute)
-        o = delta_rule_recurrent(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
+        if decode or batch.snapshot is not None:  # a verify step's rows as decode computes them: token by token
+            o = delta_rule_recurrent(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, cfg.tiled)
+        else:
+            o = delta_rule_chunked(q, k, v, g, beta, ssm, r.slots, r.has_state, r.query_start, r.max_query_len,
+                                   cfg.tiled)
         return o, k, v, g, beta

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vegaserve.triton_kernels.conv1d import causal_conv1d_ref, conv1d_prefill, conv1d_update
 from vegaserve.triton_kernels.delta_rule import (
-    delta_rule_chunked_ref, delta_rule_recurrent, delta_rule_recurrent_ref, expand_heads,
+    delta_rule_chunked, delta_rule_chunked_ref, delta_rule_recurrent, delta_rule_recurrent_ref, expand_heads,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,13 +26,13 @@ SLOTS = [3, 0, 5, 1]
 HAS_STATE = [1, 0, 1, 1]
 
 
-def _batch(lengths: list[int], seed: int = 0):
+def _batch(lengths: list[int], seed: int = 0, decay: float = 0.2):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     q = F.normalize(torch.randn(T, HK, D, generator=gen), dim=-1) * D ** -0.5
     k = F.normalize(torch.randn(T, HK, D, generator=gen), dim=-1)
     v = torch.randn(T, HV, D, generator=gen)
-    g = -0.2 * torch.rand(T, HV, generator=gen)  # decays of 0.8 .. 1 a token
+    g = -decay * torch.rand(T, HV, generator=gen)  # decays of 0.8 .. 1 a token by default
     beta = torch.rand(T, HV, generator=gen)
     state = torch.randn(6, HV, D, D, generator=gen)
     state[0] = float("nan")  # slot 0's sequence starts from zeros: what the slot held must not leak in
@@ -54,13 +54,25 @@ def test_the_chunked_reference_equals_the_token_by_token_one():
             assert (got - want).abs().max() < 1e-5 and (got_s - want_s).abs().max() < 1e-5
 
 
+def _recurrent(q, k, v, g, beta, state, slots, has, starts, tiled):
+    return delta_rule_recurrent(q, k, v, g, beta, state, slots, has, starts, tiled)
+
+
+def _chunked(q, k, v, g, beta, state, slots, has, starts, tiled):
+    return delta_rule_chunked(q, k, v, g, beta, state, slots, has, starts, int((starts[1:] - starts[:-1]).max()),
+                              tiled)
+
+
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "grouped"])
-@pytest.mark.parametrize("lengths", [LENGTHS, [1, 1, 3, 1]], ids=["prompts", "decode"])
-def test_the_delta_rule_kernel_equals_the_reference_per_sequence(lengths, tiled):
-    q, k, v, g, beta, state, starts = _batch(lengths, seed=len(lengths) + tiled)
+@pytest.mark.parametrize("lengths, decay", [(LENGTHS, 0.2), ([1, 1, 3, 1], 0.2), ([150, 2, 17, 48], 20.0)],
+                         ids=["prompts", "decode", "long-strong-decay"])
+@pytest.mark.parametrize("kernel", [_recurrent, _chunked], ids=["recurrent", "chunked"])
+def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths, decay, tiled):
+    """The strong decay (down to exp(-20) a token) underflows a chunk's exp(G) and overflows exp(-G)."""
+    q, k, v, g, beta, state, starts = _batch(lengths, seed=len(lengths) + tiled, decay=decay)
     slots, has = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(HAS_STATE, dtype=torch.int32)
     new = state.clone().to(DEVICE)
-    o = delta_rule_recurrent(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled).cpu()
+    o = kernel(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled).cpu()
     new = new.cpu()
     for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
         s0 = state[SLOTS[i]] if HAS_STATE[i] else None
@@ -113,8 +125,8 @@ from vegaserve.triton_kernels import conv1d, delta_rule
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16",
-        "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "w_ptr": "*fp32", "slots_ptr": "*i32",
-        "has_state_ptr": "*i32", "qstart_ptr": "*i32"}
+        "uw_ptr": "*fp32", "h_ptr": "*fp32", "gc_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "w_ptr": "*fp32", "slots_ptr": "*i32",
+        "has_state_ptr": "*i32", "qstart_ptr": "*i32", "cstart_ptr": "*i32"}
 
 def build(fn, consts, opts):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -123,6 +135,10 @@ def build(fn, consts, opts):
 # Qwen3.6-27B: 16 key heads, 48 value heads of 128, tiled; a convolution of width 4 over 10240 channels
 heads = dict(HK=16, HV=48, TILED=True, D=128)
 build(delta_rule._delta_rule_recurrent_kernel, dict(heads, BV=32), {"num_warps": 4})
+prec = "tf32x3" if backend == "cuda" else "ieee"
+build(delta_rule._chunk_solve_kernel, dict(heads, BD=64, PREC=prec), {"num_warps": 8})
+build(delta_rule._chunk_state_kernel, dict(heads, BV=32, PREC=prec), {"num_warps": 8})
+build(delta_rule._chunk_output_kernel, dict(heads, BV=32, PREC=prec), {"num_warps": 4})
 build(conv1d._conv1d_prefill_kernel, dict(K=4, BLOCK_T=32, BLOCK_C=128), {"num_warps": 4})
 build(conv1d._conv1d_update_kernel, dict(K=4, BLOCK_C=256), {"num_warps": 4})
 print("compiled")
