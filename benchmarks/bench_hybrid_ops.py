@@ -9,7 +9,10 @@ L2 flushed between calls):
                experts and the shared gate over hidden 2048; Qwen3-30B-A3B: 128), against the block the
                launcher picks.
 
-    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--blocks 2,4,8,16,32]
+    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--block-v 16,32,64] [--blocks 2,4,8,16,32]
+
+--block-v: the chunked form's value columns a program of its state and output launches (the first is the
+engine's); --blocks '': no router.
 
 Prints one line a case.
 """
@@ -25,7 +28,7 @@ from vegaserve.triton_kernels import delta_rule, moe_ops, pdl
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked, delta_rule_recurrent
 
 
-def delta_rule_ms(T: int, hk: int, hv: int, d: int = 128) -> dict[str, tuple[float, float]]:
+def delta_rule_ms(T: int, hk: int, hv: int, block_v: list[int], d: int = 128) -> dict[str, tuple[float, float]]:
     """{form: (ms, largest difference of its output from the token-by-token one)}"""
     dev = "cuda"
     q = torch.nn.functional.normalize(torch.randn(T, hk, d, device=dev), dim=-1) * d ** -0.5
@@ -36,18 +39,20 @@ def delta_rule_ms(T: int, hk: int, hv: int, d: int = 128) -> dict[str, tuple[flo
     state = torch.zeros(1, hv, d, d, device=dev)
     zeros = torch.zeros(1, dtype=torch.int32, device=dev)
     starts = torch.tensor([0, T], dtype=torch.int32, device=dev)
-    forms = {"recurrent": lambda: delta_rule_recurrent(q, k, v, g, beta, state, zeros, zeros, starts, True),
-             "chunked": lambda: delta_rule_chunked(q, k, v, g, beta, state, zeros, zeros, starts, T, True)}
-    want = forms["recurrent"]()
+    recurrent = lambda: delta_rule_recurrent(q, k, v, g, beta, state, zeros, zeros, starts, True)  # noqa: E731
+    want = recurrent()
+    cases = [(f"chunked, {b} value columns{' tf32' if p == 'tf32' else ''}", p, b)
+             for b in block_v for p in ("tf32x3", "tf32") if p == "tf32x3" or b == block_v[0]]
     out = {}
-    for name, precision in (("chunked", "tf32x3"), ("chunked tf32", "tf32"), ("recurrent", None)):
-        shipped, delta_rule.DOT_PRECISION = delta_rule.DOT_PRECISION, precision or delta_rule.DOT_PRECISION
+    for name, precision, b in cases:
+        shipped, delta_rule.DOT_PRECISION = delta_rule.DOT_PRECISION, precision
         try:
-            fn = forms[name.split()[0]]
+            fn = lambda b=b: delta_rule_chunked(q, k, v, g, beta, state, zeros, zeros, starts, T, True, b)  # noqa: E731
             err = (fn() - want).abs().max().item()
             out[name] = triton.testing.do_bench(fn, warmup=2, rep=200), err
         finally:
             delta_rule.DOT_PRECISION = shipped
+    out["recurrent"] = triton.testing.do_bench(recurrent, warmup=2, rep=200), 0.0
     return out
 
 
@@ -73,15 +78,16 @@ def router_us(rows: int, gate: int, block_e: int, hidden: int = 2048, k: int = 8
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,2048")
+    ap.add_argument("--block-v", default="32,16,64")
     ap.add_argument("--blocks", default="2,4,8,16,32")
     args = ap.parse_args()
     torch.manual_seed(0)
     for T in map(int, args.tokens.split(",")):
         for hv in (32, 48):
-            for name, (ms, err) in delta_rule_ms(T, 16, hv).items():
+            for name, (ms, err) in delta_rule_ms(T, 16, hv, [int(b) for b in args.block_v.split(",")]).items():
                 print(f"delta rule {name}, {T} tokens, 16/{hv} heads: {ms:.3f} ms ({ms * 1e3 / T:.2f} us a token), "
                       f"largest difference {err:.1e}")
-    for rows, gate in ((257, moe_ops.GATE_EXPERT), (128, 0)):
+    for rows, gate in ((257, moe_ops.GATE_EXPERT), (128, 0)) if args.blocks else ():
         times = {b: router_us(rows, gate, b) for b in map(int, args.blocks.split(","))}
         print(f"router, {rows} rows: " + ", ".join(f"{b} a program {t:.1f} us" for b, t in times.items())
               + f"; the launcher picks {moe_ops.router_block(rows)}")

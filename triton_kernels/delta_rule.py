@@ -16,13 +16,14 @@ A sequence with has_state 0 starts from S = 0 (its first step) whatever its slot
 sequence goes back to its slot. Value columns are independent (u's column j reads S's column j only), so a
 program owns one (sequence, value head, block of BV value columns).
 
-The chunked form (`delta_rule_chunked_ref` gives its algebra) is two launches: `_chunk_solve_kernel`, one
-program a (chunk, value head, half), solves each chunk's triangular system (I + A) X = R for both halves of
-its right-hand side, u0 (from v) and w (from k), independently of every other chunk; `_chunk_state_kernel`
-then walks each sequence's chunks in order, one program a (sequence, value head, block of value columns),
-with four matrix products a chunk where the recurrence takes a loop step a token. The solve goes by blocks
-of 16 rows: each diagonal block's inverse by forward substitution, the blocks below it by substitution of
-the solved ones, so that every product is a dot of at least 16 x 16.
+The chunked form (`delta_rule_chunked_ref` gives its algebra) is five launches. Three work on every chunk
+at once, one program a (chunk, value head): `_chunk_kkt_kernel` writes its running log decay G and its A;
+`_chunk_solve_kernel` turns A into (I + A)^-1 by blocks of 16 rows (each diagonal block's inverse by forward
+substitution, the blocks below it from the solved ones, so every product is a dot of at least 16 x 16);
+`_chunk_wu_kernel` multiplies the inverse into both right-hand sides, u0 (from v) and w (from k). Then
+`_chunk_state_kernel` walks each sequence's chunks in order, one program a (sequence, value head, block of
+value columns), writing the state each chunk starts from, two products a chunk where the recurrence takes
+a loop step a token; and `_chunk_output_kernel` gives every chunk's outputs at once from that state.
 """
 
 from __future__ import annotations
@@ -113,38 +114,110 @@ DOT_PRECISION = "ieee" if getattr(torch.version, "hip", None) else "tf32x3"
 
 
 @triton.jit
-def _unit_lower_inverse(A):
-    """(I + A)^-1 of a strictly lower triangular [SUB, SUB] A, by forward substitution a row at a time."""
+def _chunk_kkt_kernel(
+    k_ptr, g_ptr, beta_ptr, gc_ptr, a_ptr, qstart_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
+    HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (sequence, chunk of it, value head): the chunk's running log decay G into gc [T, HV], and its
+    A [i, j] = beta_i exp(G_i - G_j) k_i . k_j below the diagonal (zeros on and above it) into a [T, HV,
+    CHUNK], row i at the chunk's row i. A chunk past its sequence's end exits."""
+    s = tl.program_id(0)
+    h = tl.program_id(2)
+    kh = h % HK if TILED else h // (HV // HK)
+    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
+    end = tl.load(qstart_ptr + s + 1)
+    if row0 >= end:
+        return
+    i = tl.arange(0, 64)
+    d = tl.arange(0, D)
+    r = row0 + i
+    m = r < end  # rows past the end: no decay, no update
+    G = tl.cumsum(tl.load(g_ptr + r * stride_gt + h, mask=m, other=0.0), 0)
+    tl.store(gc_ptr + r * HV + h, G, mask=m)
+    b = tl.load(beta_ptr + r * stride_bt + h, mask=m, other=0.0)
+    k = tl.load(k_ptr + r[:, None] * stride_kt + kh * stride_kh + d[None, :], mask=m[:, None], other=0.0)
+    k = k.to(tl.float32)
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
+    A = b[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PREC)
+    tl.store(a_ptr + (r[:, None] * HV + h) * 64 + i[None, :], A, mask=m[:, None])
+
+
+@triton.jit
+def _block(a_ptr, row0, end, h, bi: tl.constexpr, bj: tl.constexpr, HV: tl.constexpr):
+    """The [SUB, SUB] block (bi, bj) of a chunk's [CHUNK, CHUNK] matrix in a [T, HV, CHUNK]; rows past the
+    sequence's end read as zeros."""
+    i = tl.arange(0, 16)
+    r = row0 + bi * 16 + i
+    return tl.load(a_ptr + (r[:, None] * HV + h) * 64 + bj * 16 + i[None, :], mask=(r < end)[:, None], other=0.0)
+
+
+@triton.jit
+def _unit_lower_inverse(a_ptr, row0, end, h, b: tl.constexpr, HV: tl.constexpr):
+    """(I + A_bb)^-1 of the chunk's strictly lower diagonal block b, by forward substitution a row at a time,
+    each row of A read from memory (rows past the end: zeros, their rows of the inverse the identity's)."""
     i = tl.arange(0, 16)
     X = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    for r in tl.static_range(1, 16):
-        a = tl.sum(tl.where(i[:, None] == r, A, 0.0), 0)  # row r of A (zero from column r on)
-        row = tl.sum(tl.where(i[:, None] == r, X, 0.0), 0) - tl.sum(a[:, None] * X, 0)
-        X = tl.where(i[:, None] == r, row[None, :], X)
+    for j in tl.static_range(1, 16):
+        r = row0 + b * 16 + j
+        a = tl.load(a_ptr + (r * HV + h) * 64 + b * 16 + i, mask=(i < j) & (i * 0 + r < end), other=0.0)
+        row = tl.where(i == j, 1.0, 0.0) - tl.sum(a[:, None] * X, 0)
+        X = tl.where(i[:, None] == j, row[None, :], X)
     return X
 
 
 @triton.jit
-def _decayed_keys(ki, kj, bi, Gi, Gj, DIAG: tl.constexpr, PREC: tl.constexpr):
-    """A's block (i, j): beta_r exp(G_r - G_c) k_r . k_c, strictly below the diagonal where DIAG."""
-    a = bi[:, None] * tl.exp(Gi[:, None] - Gj[None, :]) * tl.dot(ki, tl.trans(kj), input_precision=PREC)
-    if DIAG:
-        i = tl.arange(0, 16)
-        a = tl.where(i[:, None] > i[None, :], a, 0.0)
-    return a
+def _chunk_solve_kernel(a_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.constexpr):
+    """Program (sequence, chunk of it, value head): a's chunk A becomes (I + A)^-1 in place, by blocks of SUB:
+    each diagonal block's inverse M_ii by forward substitution, then M_ij = -M_ii sum_k A_ik M_kj (j <= k <
+    i) down each column; the blocks above the diagonal are written as zeros."""
+    s = tl.program_id(0)
+    h = tl.program_id(2)
+    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
+    end = tl.load(qstart_ptr + s + 1)
+    if row0 >= end:
+        return
+    A21 = _block(a_ptr, row0, end, h, 1, 0, HV)
+    A31 = _block(a_ptr, row0, end, h, 2, 0, HV)
+    A32 = _block(a_ptr, row0, end, h, 2, 1, HV)
+    A41 = _block(a_ptr, row0, end, h, 3, 0, HV)
+    A42 = _block(a_ptr, row0, end, h, 3, 1, HV)
+    A43 = _block(a_ptr, row0, end, h, 3, 2, HV)
+    M11 = _unit_lower_inverse(a_ptr, row0, end, h, 0, HV)
+    M22 = _unit_lower_inverse(a_ptr, row0, end, h, 1, HV)
+    M33 = _unit_lower_inverse(a_ptr, row0, end, h, 2, HV)
+    M44 = _unit_lower_inverse(a_ptr, row0, end, h, 3, HV)
+    M21 = -tl.dot(M22, tl.dot(A21, M11, input_precision=PREC), input_precision=PREC)
+    M32 = -tl.dot(M33, tl.dot(A32, M22, input_precision=PREC), input_precision=PREC)
+    M31 = -tl.dot(M33, tl.dot(A31, M11, input_precision=PREC) + tl.dot(A32, M21, input_precision=PREC),
+                  input_precision=PREC)
+    M43 = -tl.dot(M44, tl.dot(A43, M33, input_precision=PREC), input_precision=PREC)
+    M42 = -tl.dot(M44, tl.dot(A42, M22, input_precision=PREC) + tl.dot(A43, M32, input_precision=PREC),
+                  input_precision=PREC)
+    M41 = -tl.dot(M44, tl.dot(A41, M11, input_precision=PREC) + tl.dot(A42, M21, input_precision=PREC)
+                  + tl.dot(A43, M31, input_precision=PREC), input_precision=PREC)
+    i = tl.arange(0, 16)
+    zero = tl.zeros((16, 16), tl.float32)
+    base = a_ptr + ((row0 + i[:, None]) * HV + h) * 64 + i[None, :]
+    for b in tl.static_range(4):  # block row b: M_b1 .. M_b4
+        live = (row0 + b * 16 + i < end)[:, None]
+        p = base + b * 16 * HV * 64
+        tl.store(p, M11 if b == 0 else (M21 if b == 1 else (M31 if b == 2 else M41)), mask=live)
+        tl.store(p + 16, zero if b < 1 else (M22 if b == 1 else (M32 if b == 2 else M42)), mask=live)
+        tl.store(p + 32, zero if b < 2 else (M33 if b == 2 else M43), mask=live)
+        tl.store(p + 48, zero if b < 3 else M44, mask=live)
 
 
 @triton.jit
-def _chunk_solve_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, uw_ptr, qstart_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_half,
+def _chunk_wu_kernel(
+    k_ptr, v_ptr, beta_ptr, gc_ptr, a_ptr, uw_ptr, qstart_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bt, stride_half,
     HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Program (sequence, chunk of it, (value head, half, block of BD columns)): X = (I + A)^-1 R for half
-    0's R = beta v (X: u0) or half 1's R = beta exp(G) k (X: w), into uw [2, T, HV, D] f32 at [half]; the
-    first program of a head also writes the chunk's running log decay G into gc [T, HV]. A chunk past its
-    sequence's end exits."""
+    """Program (sequence, chunk of it, (value head, half, block of BD columns)): X = (I + A)^-1 R, with the
+    inverse from a, for half 0's R = beta v (X: u0) or half 1's R = beta exp(G) k (X: w), into uw [2, T,
+    HV, D] f32 at [half]."""
     s = tl.program_id(0)
     h = tl.program_id(2) // (2 * D // BD)
     half = tl.program_id(2) // (D // BD) % 2
@@ -154,65 +227,20 @@ def _chunk_solve_kernel(
     end = tl.load(qstart_ptr + s + 1)
     if row0 >= end:
         return
-    i = tl.arange(0, 16)
-    d = tl.arange(0, D)
-    r1, r2, r3, r4 = row0 + i, row0 + 16 + i, row0 + 32 + i, row0 + 48 + i
-    m1, m2, m3, m4 = r1 < end, r2 < end, r3 < end, r4 < end  # rows past the end: no decay, no update
-    g1 = tl.load(g_ptr + r1 * stride_gt + h, mask=m1, other=0.0)
-    g2 = tl.load(g_ptr + r2 * stride_gt + h, mask=m2, other=0.0)
-    g3 = tl.load(g_ptr + r3 * stride_gt + h, mask=m3, other=0.0)
-    g4 = tl.load(g_ptr + r4 * stride_gt + h, mask=m4, other=0.0)
-    G1 = tl.cumsum(g1, 0)
-    G2 = tl.cumsum(g2, 0) + tl.sum(g1, 0)
-    G3 = tl.cumsum(g3, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
-    G4 = tl.cumsum(g4, 0) + tl.sum(g1, 0) + tl.sum(g2, 0) + tl.sum(g3, 0)
-    b1 = tl.load(beta_ptr + r1 * stride_bt + h, mask=m1, other=0.0)
-    b2 = tl.load(beta_ptr + r2 * stride_bt + h, mask=m2, other=0.0)
-    b3 = tl.load(beta_ptr + r3 * stride_bt + h, mask=m3, other=0.0)
-    b4 = tl.load(beta_ptr + r4 * stride_bt + h, mask=m4, other=0.0)
-    kp = k_ptr + kh * stride_kh + d[None, :]
-    k1 = tl.load(kp + r1[:, None] * stride_kt, mask=m1[:, None], other=0.0).to(tl.float32)
-    k2 = tl.load(kp + r2[:, None] * stride_kt, mask=m2[:, None], other=0.0).to(tl.float32)
-    k3 = tl.load(kp + r3[:, None] * stride_kt, mask=m3[:, None], other=0.0).to(tl.float32)
-    k4 = tl.load(kp + r4[:, None] * stride_kt, mask=m4[:, None], other=0.0).to(tl.float32)
-    A21 = _decayed_keys(k2, k1, b2, G2, G1, False, PREC)
-    A31 = _decayed_keys(k3, k1, b3, G3, G1, False, PREC)
-    A32 = _decayed_keys(k3, k2, b3, G3, G2, False, PREC)
-    A41 = _decayed_keys(k4, k1, b4, G4, G1, False, PREC)
-    A42 = _decayed_keys(k4, k2, b4, G4, G2, False, PREC)
-    A43 = _decayed_keys(k4, k3, b4, G4, G3, False, PREC)
-    T1 = _unit_lower_inverse(_decayed_keys(k1, k1, b1, G1, G1, True, PREC))
-    T2 = _unit_lower_inverse(_decayed_keys(k2, k2, b2, G2, G2, True, PREC))
-    T3 = _unit_lower_inverse(_decayed_keys(k3, k3, b3, G3, G3, True, PREC))
-    T4 = _unit_lower_inverse(_decayed_keys(k4, k4, b4, G4, G4, True, PREC))
+    i = tl.arange(0, 64)
+    r = row0 + i
+    m = r < end
+    M = tl.load(a_ptr + (r[:, None] * HV + h) * 64 + i[None, :], mask=m[:, None], other=0.0)
+    b = tl.load(beta_ptr + r * stride_bt + h, mask=m, other=0.0)
     if half == 0:
-        vp = v_ptr + h * stride_vh + cols[None, :]
-        R1 = b1[:, None] * tl.load(vp + r1[:, None] * stride_vt, mask=m1[:, None], other=0.0).to(tl.float32)
-        R2 = b2[:, None] * tl.load(vp + r2[:, None] * stride_vt, mask=m2[:, None], other=0.0).to(tl.float32)
-        R3 = b3[:, None] * tl.load(vp + r3[:, None] * stride_vt, mask=m3[:, None], other=0.0).to(tl.float32)
-        R4 = b4[:, None] * tl.load(vp + r4[:, None] * stride_vt, mask=m4[:, None], other=0.0).to(tl.float32)
+        R = tl.load(v_ptr + r[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=m[:, None], other=0.0)
+        R = b[:, None] * R.to(tl.float32)
     else:
-        kc = k_ptr + kh * stride_kh + cols[None, :]
-        R1 = (b1 * tl.exp(G1))[:, None] * tl.load(kc + r1[:, None] * stride_kt, mask=m1[:, None], other=0.0).to(tl.float32)
-        R2 = (b2 * tl.exp(G2))[:, None] * tl.load(kc + r2[:, None] * stride_kt, mask=m2[:, None], other=0.0).to(tl.float32)
-        R3 = (b3 * tl.exp(G3))[:, None] * tl.load(kc + r3[:, None] * stride_kt, mask=m3[:, None], other=0.0).to(tl.float32)
-        R4 = (b4 * tl.exp(G4))[:, None] * tl.load(kc + r4[:, None] * stride_kt, mask=m4[:, None], other=0.0).to(tl.float32)
-    X1 = tl.dot(T1, R1, input_precision=PREC)
-    X2 = tl.dot(T2, R2 - tl.dot(A21, X1, input_precision=PREC), input_precision=PREC)
-    X3 = tl.dot(T3, R3 - tl.dot(A31, X1, input_precision=PREC) - tl.dot(A32, X2, input_precision=PREC),
-                input_precision=PREC)
-    X4 = tl.dot(T4, R4 - tl.dot(A41, X1, input_precision=PREC) - tl.dot(A42, X2, input_precision=PREC)
-                - tl.dot(A43, X3, input_precision=PREC), input_precision=PREC)
-    xp = uw_ptr + half * stride_half + h * D + cols[None, :]
-    tl.store(xp + r1[:, None] * (HV * D), X1, mask=m1[:, None])
-    tl.store(xp + r2[:, None] * (HV * D), X2, mask=m2[:, None])
-    tl.store(xp + r3[:, None] * (HV * D), X3, mask=m3[:, None])
-    tl.store(xp + r4[:, None] * (HV * D), X4, mask=m4[:, None])
-    if tl.program_id(2) % (2 * D // BD) == 0:
-        tl.store(gc_ptr + r1 * HV + h, G1, mask=m1)
-        tl.store(gc_ptr + r2 * HV + h, G2, mask=m2)
-        tl.store(gc_ptr + r3 * HV + h, G3, mask=m3)
-        tl.store(gc_ptr + r4 * HV + h, G4, mask=m4)
+        G = tl.load(gc_ptr + r * HV + h, mask=m, other=0.0)
+        R = tl.load(k_ptr + r[:, None] * stride_kt + kh * stride_kh + cols[None, :], mask=m[:, None], other=0.0)
+        R = (b * tl.exp(G))[:, None] * R.to(tl.float32)
+    X = tl.dot(M, R, input_precision=PREC)
+    tl.store(uw_ptr + half * stride_half + (r[:, None] * HV + h) * D + cols[None, :], X, mask=m[:, None])
 
 
 @triton.jit
@@ -307,20 +335,24 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         return o
     uw = torch.empty(2, T, HV, D, dtype=torch.float32, device=v.device)  # u0 (then u), w
     gc = torch.empty(T, HV, dtype=torch.float32, device=v.device)
+    a = torch.empty(T, HV, CHUNK, dtype=torch.float32, device=v.device)  # A, then (I + A)^-1
     lengths = query_start[1:] - query_start[:-1]
     cstart = torch.cat([lengths.new_zeros(1), ((lengths + CHUNK - 1) // CHUNK).cumsum(0)]).to(torch.int32)
     states = torch.empty(T // CHUNK + S, HV, D, D, dtype=torch.float32, device=v.device)  # each chunk's S0
-    chunks = triton.cdiv(max_query_len, CHUNK)
+    grid = (S, triton.cdiv(max_query_len, CHUNK), HV)
+    _chunk_kkt_kernel[grid](k, g, beta, gc, a, query_start, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+                            HK=HK, HV=HV, TILED=tiled, D=D, PREC=DOT_PRECISION, num_warps=4)
+    _chunk_solve_kernel[grid](a, query_start, HV=HV, PREC=DOT_PRECISION, num_warps=2)
     bd = min(block_d, D)
-    _chunk_solve_kernel[(S, chunks, HV * 2 * (D // bd))](
-        k, v, g, beta, gc, uw, query_start, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        beta.stride(0), uw.stride(0), HK=HK, HV=HV, TILED=tiled, D=D, BD=bd, PREC=DOT_PRECISION, num_warps=8)
+    _chunk_wu_kernel[grid[:2] + (HV * 2 * (D // bd),)](
+        k, v, beta, gc, a, uw, query_start, k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+        uw.stride(0), HK=HK, HV=HV, TILED=tiled, D=D, BD=bd, PREC=DOT_PRECISION, num_warps=8)
     bv = min(block_v, D)
     _chunk_state_kernel[(S, HV, D // bv)](
         k, uw, g, states, state, slots, has_state, query_start, cstart, k.stride(0), k.stride(1), g.stride(0),
         uw.stride(0), state.stride(0), state.stride(1), HK=HK, HV=HV, TILED=tiled, D=D, BV=bv, PREC=DOT_PRECISION,
         num_warps=8)
-    _chunk_output_kernel[(S, chunks, HV * (D // bv))](
+    _chunk_output_kernel[grid[:2] + (HV * (D // bv),)](
         q, k, uw, gc, states, o, query_start, cstart, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         o.stride(0), o.stride(1), HK=HK, HV=HV, TILED=tiled, D=D, BV=bv, PREC=DOT_PRECISION, num_warps=8)
     return o

@@ -125,7 +125,8 @@ from vegaserve.triton_kernels import conv1d, delta_rule
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16",
-        "uw_ptr": "*fp32", "h_ptr": "*fp32", "gc_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "w_ptr": "*fp32", "slots_ptr": "*i32",
+        "uw_ptr": "*fp32", "h_ptr": "*fp32", "gc_ptr": "*fp32", "a_ptr": "*fp32", "g_ptr": "*fp32",
+        "beta_ptr": "*fp32", "state_ptr": "*fp32", "w_ptr": "*fp32", "slots_ptr": "*i32",
         "has_state_ptr": "*i32", "qstart_ptr": "*i32", "cstart_ptr": "*i32"}
 
 def build(fn, consts, opts):
@@ -136,7 +137,9 @@ def build(fn, consts, opts):
 heads = dict(HK=16, HV=48, TILED=True, D=128)
 build(delta_rule._delta_rule_recurrent_kernel, dict(heads, BV=32), {"num_warps": 4})
 prec = "tf32x3" if backend == "cuda" else "ieee"
-build(delta_rule._chunk_solve_kernel, dict(heads, BD=64, PREC=prec), {"num_warps": 8})
+build(delta_rule._chunk_kkt_kernel, dict(heads, PREC=prec), {"num_warps": 4})
+build(delta_rule._chunk_solve_kernel, dict(HV=48, PREC=prec), {"num_warps": 2})
+build(delta_rule._chunk_wu_kernel, dict(heads, BD=64, PREC=prec), {"num_warps": 8})
 build(delta_rule._chunk_state_kernel, dict(heads, BV=32, PREC=prec), {"num_warps": 8})
 build(delta_rule._chunk_output_kernel, dict(heads, BV=32, PREC=prec), {"num_warps": 4})
 build(conv1d._conv1d_prefill_kernel, dict(K=4, BLOCK_T=32, BLOCK_C=128), {"num_warps": 4})
