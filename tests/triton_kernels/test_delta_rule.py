@@ -26,7 +26,7 @@ SLOTS = [3, 0, 5, 1]
 HAS_STATE = [1, 0, 1, 1]
 
 
-def _batch(lengths: list[int], seed: int = 0, decay: float = 0.2):
+def _batch(lengths: list[int], seed: int = 0, decay: float = 0.2, D: int = D):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     q = F.normalize(torch.randn(T, HK, D, generator=gen), dim=-1) * D ** -0.5
@@ -58,9 +58,9 @@ def _recurrent(q, k, v, g, beta, state, slots, has, starts, tiled):
     return delta_rule_recurrent(q, k, v, g, beta, state, slots, has, starts, tiled)
 
 
-def _chunked(q, k, v, g, beta, state, slots, has, starts, tiled):
+def _chunked(q, k, v, g, beta, state, slots, has, starts, tiled, **blocks):
     return delta_rule_chunked(q, k, v, g, beta, state, slots, has, starts, int((starts[1:] - starts[:-1]).max()),
-                              tiled)
+                              tiled, **blocks)
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "grouped"])
@@ -82,6 +82,21 @@ def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths
         assert (new[SLOTS[i]] - want_s).abs().max() < 1e-5, i
     assert torch.equal(new[[2, 4]], state[[2, 4]])  # slots no sequence owns are untouched
 
+
+
+def test_the_chunked_kernel_over_several_blocks_of_columns_equals_the_reference():
+    """Heads of 32 split into value and solve columns of 16 (the heads above give every program all columns)."""
+    q, k, v, g, beta, state, starts = _batch(LENGTHS, seed=11, D=32)
+    slots, has = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(HAS_STATE, dtype=torch.int32)
+    new = state.clone().to(DEVICE)
+    o = _chunked(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), True, block_v=16, block_d=16).cpu()
+    new = new.cpu()
+    for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
+        s0 = state[SLOTS[i]] if HAS_STATE[i] else None
+        qe, ke = (expand_heads(x[a:b], HV, True) for x in (q, k))
+        want, want_s = delta_rule_recurrent_ref(qe, ke, v[a:b], g[a:b], beta[a:b], s0)
+        assert (o[a:b] - want).abs().max() < 1e-5, i
+        assert (new[SLOTS[i]] - want_s).abs().max() < 1e-5, i
 
 @pytest.mark.parametrize("lengths, block_t", [(LENGTHS, 16), ([2, 1, 1, 3], 32)], ids=["long", "shorter-than-k"])
 def test_conv1d_prefill_equals_the_reference_and_rolls_the_state(lengths, block_t):
