@@ -167,8 +167,8 @@ def _unit_lower_inverse(a_ptr, row0, end, h, b: tl.constexpr, HV: tl.constexpr):
 
 
 @triton.jit
-def _chunk_solve_kernel(a_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.constexpr):
-    """Program (sequence, chunk of it, value head): a's chunk A becomes (I + A)^-1 in place, by blocks of SUB:
+def _chunk_solve_kernel(a_ptr, m_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.constexpr):
+    """Program (sequence, chunk of it, value head): (I + A)^-1 of a's chunk A into m, by blocks of SUB:
     each diagonal block's inverse M_ii by forward substitution, then M_ij = -M_ii sum_k A_ik M_kj (j <= k <
     i) down each column; the blocks above the diagonal are written as zeros."""
     s = tl.program_id(0)
@@ -198,7 +198,7 @@ def _chunk_solve_kernel(a_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.constexpr)
                   + tl.dot(A43, M31, input_precision=PREC), input_precision=PREC)
     i = tl.arange(0, 16)
     zero = tl.zeros((16, 16), tl.float32)
-    base = a_ptr + ((row0 + i[:, None]) * HV + h) * 64 + i[None, :]
+    base = m_ptr + ((row0 + i[:, None]) * HV + h) * 64 + i[None, :]
     for b in tl.static_range(4):  # block row b: M_b1 .. M_b4
         live = (row0 + b * 16 + i < end)[:, None]
         p = base + b * 16 * HV * 64
@@ -216,7 +216,7 @@ def _chunk_wu_kernel(
     PREC: tl.constexpr,
 ):
     """Program (sequence, chunk of it, (value head, half, block of BD columns)): X = (I + A)^-1 R, with the
-    inverse from a, for half 0's R = beta v (X: u0) or half 1's R = beta exp(G) k (X: w), into uw [2, T,
+    inverse from m, for half 0's R = beta v (X: u0) or half 1's R = beta exp(G) k (X: w), into uw [2, T,
     HV, D] f32 at [half]."""
     s = tl.program_id(0)
     h = tl.program_id(2) // (2 * D // BD)
@@ -335,17 +335,17 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         return o
     uw = torch.empty(2, T, HV, D, dtype=torch.float32, device=v.device)  # u0 (then u), w
     gc = torch.empty(T, HV, dtype=torch.float32, device=v.device)
-    a = torch.empty(T, HV, CHUNK, dtype=torch.float32, device=v.device)  # A, then (I + A)^-1
+    a, minv = (torch.empty(T, HV, CHUNK, dtype=torch.float32, device=v.device) for _ in range(2))  # A, (I + A)^-1
     lengths = query_start[1:] - query_start[:-1]
     cstart = torch.cat([lengths.new_zeros(1), ((lengths + CHUNK - 1) // CHUNK).cumsum(0)]).to(torch.int32)
     states = torch.empty(T // CHUNK + S, HV, D, D, dtype=torch.float32, device=v.device)  # each chunk's S0
     grid = (S, triton.cdiv(max_query_len, CHUNK), HV)
     _chunk_kkt_kernel[grid](k, g, beta, gc, a, query_start, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
                             HK=HK, HV=HV, TILED=tiled, D=D, PREC=DOT_PRECISION, num_warps=4)
-    _chunk_solve_kernel[grid](a, query_start, HV=HV, PREC=DOT_PRECISION, num_warps=2)
+    _chunk_solve_kernel[grid](a, minv, query_start, HV=HV, PREC=DOT_PRECISION, num_warps=2)
     bd = min(block_d, D)
     _chunk_wu_kernel[grid[:2] + (HV * 2 * (D // bd),)](
-        k, v, beta, gc, a, uw, query_start, k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+        k, v, beta, gc, minv, uw, query_start, k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
         uw.stride(0), HK=HK, HV=HV, TILED=tiled, D=D, BD=bd, PREC=DOT_PRECISION, num_warps=8)
     bv = min(block_v, D)
     _chunk_state_kernel[(S, HV, D // bv)](
