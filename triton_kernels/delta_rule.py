@@ -210,7 +210,7 @@ def _chunk_solve_kernel(a_ptr, m_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.con
 
 @triton.jit
 def _chunk_wu_kernel(
-    k_ptr, v_ptr, betm_ptr, gc_ptr, m_ptr, uw_ptr, qstart_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    k_ptr, v_ptr, beta_ptr, gc_ptr, m_ptr, uw_ptr, qstart_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bt, stride_half,
     HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr,
@@ -231,7 +231,7 @@ def _chunk_wu_kernel(
     r = row0 + i
     m = r < end
     M = tl.load(m_ptr + (r[:, None] * HV + h) * 64 + i[None, :], mask=m[:, None], other=0.0)
-    b = tl.load(betm_ptr + r * stride_bt + h, mask=m, other=0.0)
+    b = tl.load(beta_ptr + r * stride_bt + h, mask=m, other=0.0)
     if half == 0:
         R = tl.load(v_ptr + r[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=m[:, None], other=0.0)
         R = b[:, None] * R.to(tl.float32)

@@ -140,7 +140,8 @@ from vegaserve.triton_kernels import conv1d, delta_rule
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16",
-        "uw_ptr": "*fp32", "h_ptr": "*fp32", "gc_ptr": "*fp32", "a_ptr": "*fp32", "m_ptr": "*fp32", "g_ptr": "*fp32",
+        "uw_ptr": "*fp32", "h_ptr": "*fp32", "gc_ptr": "*fp32", "a_ptr": "*fp32", "m_ptr": "*fp32",
+        "g_ptr": "*fp32",
         "beta_ptr": "*fp32", "state_ptr": "*fp32", "w_ptr": "*fp32", "slots_ptr": "*i32",
         "has_state_ptr": "*i32", "qstart_ptr": "*i32", "cstart_ptr": "*i32"}
 
