@@ -210,6 +210,11 @@ class GatedDeltaNet(nn.Module):
     def wants_q8_1(self, m: int) -> bool:
         return self.in_proj.wants_q8_1(m)
 
+    @staticmethod
+    def on_kernels(x: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether a step runs the Triton kernels: on a GPU, or a decode graph's static batch (no sequence list)."""
+        return x.is_cuda or not batch.seqs
+
     def forward(self, x: torch.Tensor, xq: Q8_1 | None, state: RecurrentState, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (the normed input; xq its q8_1 copy where wants_q8_1) -> [T, hidden]."""
         cfg, T, hv, D = self.cfg, x.shape[0], self.cfg.v_heads, self.cfg.head_dim
@@ -217,7 +222,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim : cfg.conv_dim + cfg.value_dim]
         conv, ssm = state.conv[self.state_layer], state.ssm[self.state_layer]
         snap = batch.snapshot
-        if x.is_cuda or not batch.seqs:
+        if self.on_kernels(x, batch):
             o, k, v, g, beta = self._kernels(mixed, proj, conv, ssm, batch)
             out, oq = delta_io.output(o, z, self.norm_w, self.eps, x.dtype, self.out_proj.wants_q8_1(T))
         else:

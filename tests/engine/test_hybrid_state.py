@@ -255,6 +255,40 @@ def test_a_decode_graphs_static_batch_stages_the_state_slots_and_equals_the_eage
 
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels on CPU tensors run under the interpreter only")
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+def test_a_prompt_step_through_the_kernels_equals_the_torch_path(converted, name, monkeypatch):
+    """One step of three prompts (70, 5 and 130 tokens: chunks of the delta rule crossed and part-filled), then
+    one decode step, run once on the torch path and once through the layer's Triton kernels under the
+    interpreter (the path a GPU takes: the chunked delta rule for the prompts, token by token for the
+    decode): the logits and every slot's state agree."""
+    from vegaserve.engine.layers.delta_net import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [70, 5, 130]
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+    slots = (2, 0, 1)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        core = converted.core(DATA, name)
+        worker, bs = core.runner.executor.worker, core.pool.block_size
+        blocks = [core.pool.allocate(-(-(n + 1) // bs)) for n in lengths]
+        first = worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [True] * 3, bs,
+                                    slots)).clone()
+        plan = StepPlan([(b, n, [t]) for b, n, t in zip(blocks, lengths, [7, 8, 9], strict=True)], [False] * 3, bs,
+                        slots)
+        second = worker.run(plan).clone()
+        state = worker.cache.state
+        return first, second, state.ssm[:, list(slots)].clone(), state.conv[:, list(slots)].clone()
+
+    torch_path = run()
+    monkeypatch.setattr(GatedDeltaNet, "on_kernels", staticmethod(lambda x, batch: True))
+    kernels = run()
+    for what, a, b in zip(("prompt logits", "decode logits", "delta state", "conv state"), torch_path, kernels,
+                          strict=True):
+        assert converted.rel(b, a) < 1e-4, what
+
+
 def test_a_step_without_state_slots_is_refused(converted):
     """A plan that names no state slot would read some other sequence's state: refused, not computed."""
     core = converted.core(DATA, "qwen3next")
