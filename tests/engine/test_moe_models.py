@@ -72,6 +72,36 @@ def test_the_gpu_path_agrees_with_transformers(name, scratch, converted, tmp_pat
     converted.check_gpu_path(core, converted.reference(DATA, name), name, scratch)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton attention "
+                    "kernels, which only the interpreter takes")
+@pytest.mark.parametrize("name", MODELS)
+def test_a_decode_graphs_static_batch_equals_the_eager_step(name, converted):
+    """engine/cuda_graphs.py's static batch for the MoE models (not captured on a CPU: the same staging run
+    eagerly, its attention through the Triton kernels under the interpreter, gpt-oss's sliding window and
+    sinks included): three sequences of 5, 40 and 1 tokens in a bucket of four; the decode step's logits
+    equal the eager step's and pick the same tokens."""
+    from vegaserve.engine.cuda_graphs import DecodeGraphs
+    from vegaserve.engine.forward_batch import StepPlan
+    from vegaserve.engine.layers.attention import KVCache
+
+    core = converted.core(DATA, name)
+    worker, bs = core.runner.executor.worker, core.pool.block_size
+    lengths = [5, 40, 1]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, core.arch.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + 1) // bs)) for n in lengths]
+    worker.run(StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, bs))
+    plan = StepPlan([(b, n, [t]) for b, n, t in zip(blocks, lengths, [11, 12, 13], strict=True)], [False] * 3, bs)
+    cache = worker.cache
+    spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                    cache.k.device, spare=bs)
+    spare.k[:, : cache.num_slots], spare.v[:, : cache.num_slots] = cache.k, cache.v
+    static = DecodeGraphs(worker.model, spare, 4, core.max_model_len, bs, torch.device("cpu")).run(plan.seqs).clone()
+    eager = worker.run(plan)
+    assert converted.rel(static, eager) < 1e-5
+    assert torch.equal(static.argmax(-1), eager.argmax(-1))
+
+
 def test_an_expert_split_that_would_cut_a_quantization_block_is_refused_before_any_worker_starts():
     """Each lane holds 16 of every expert's 32 intermediate columns: whole F32 elements, but half a Q8_0
     block of the down projection, which is refused naming the tensor and the numbers; a shared expert that
