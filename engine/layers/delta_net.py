@@ -12,10 +12,9 @@ the recurrent state each sequence keeps for it between steps.
 On a CPU each sequence goes through the torch references (triton_kernels/conv1d.py, delta_rule.py) one after
 another (the chunked rule for a prompt, the token-by-token one for a decode step); on a GPU, or for a decode
 graph's static batch, the kernels take the whole flat batch: the convolution's one-step form when every
-sequence brings one token, else its prefill form; the delta rule token by token for decode and verify steps,
-in chunks of 64 tokens for a step with prompts. The
-normalizations and gates around the rule are one launch before it and one after it
-(triton_kernels/delta_io.py), whose torch references are the CPU path's.
+sequence brings one token, else its prefill form; the delta rule token by token for decode and verify
+steps, in chunks of 64 tokens for a step with prompts. The normalizations and gates around the rule are one
+launch before it and one after it (triton_kernels/delta_io.py), whose torch references are the CPU path's.
 """
 
 from __future__ import annotations
