@@ -59,6 +59,21 @@ def gpu_core(data: Path, name: str, scratch: str, tmp: Path, **sections) -> Engi
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
+
+def gpu_path_on_cpu(data: Path, name: str, monkeypatch) -> EngineCore:
+    """`{name}-f32.gguf` through the GPU path's Python on a CPU: the Triton quant method (its prefill products
+    in f32: the interpreter's bf16 is not a GPU's) and every `x.is_cuda` branch taken (torch.Tensor.is_cuda
+    patched to True for the test), each kernel run under the interpreter. What a GPU adds (compiled code,
+    CUDA graphs, bf16 operands) it cannot show; the wiring and the kernels' arithmetic it can."""
+    from vegaserve.engine.layers.linear import TritonMethod
+    from vegaserve.engine.models import registry
+
+    monkeypatch.setattr(registry, "quant_method_for",
+                        lambda device, repack, tuning_file=None, q8_1_cache=True, cpu_int4=True: TritonMethod(
+                            repack=repack, gemm_dtype=torch.float32, tuning_file=tuning_file, q8_1_cache=q8_1_cache))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return core(data, name)
+
 def exact_core(data: Path, name: str, device: str, tmp: Path, **sections) -> EngineCore:
     """The engine the exactness tests compare plain and speculative decoding on: core's f32 path on the CPU;
     on CUDA gpu_core with an f32 scratch, where a verify row and a decode row differ only in the kernels' f32

@@ -91,6 +91,16 @@ def test_a_batch_of_sequences_equals_each_alone(model, converted):
     converted.check_batch_equals_each_alone(model[2], [p["prompt_ids"] for p in model[1]["prompts"]])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels on CPU tensors run under the interpreter only")
+@pytest.mark.parametrize("name", MODELS)
+def test_the_gpu_paths_python_on_a_cpu_matches_transformers(name, converted, monkeypatch):
+    """converted.gpu_path_on_cpu: the GPU path's layers, quant method and kernels (under the interpreter,
+    f32 products) give transformers' logits within 1e-4, as the CPU path does; where the GPU test fails and
+    this passes, the difference is in what only a GPU runs."""
+    engine = converted.gpu_path_on_cpu(DATA, name, monkeypatch)
+    converted.check_logits_match_transformers(engine, converted.reference(DATA, name), name)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
 @pytest.mark.parametrize("scratch", ["float32", "bfloat16"])
