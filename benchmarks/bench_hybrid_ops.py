@@ -28,8 +28,9 @@ from vegaserve.triton_kernels import delta_rule, moe_ops, pdl
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked, delta_rule_recurrent
 
 
-def delta_rule_ms(T: int, hk: int, hv: int, block_v: list[int], d: int = 128) -> dict[str, tuple[float, float]]:
-    """{form: (ms, largest difference of its output from the token-by-token one)}"""
+def delta_rule_ms(T: int, hk: int, hv: int, block_v: list[int], d: int = 128) -> None:
+    """Prints each form's time and the largest difference of its output from the token-by-token one as it
+    goes (a case that faults leaves the ones before it printed)."""
     dev = "cuda"
     q = torch.nn.functional.normalize(torch.randn(T, hk, d, device=dev), dim=-1) * d ** -0.5
     k = torch.nn.functional.normalize(torch.randn(T, hk, d, device=dev), dim=-1)
@@ -43,17 +44,19 @@ def delta_rule_ms(T: int, hk: int, hv: int, block_v: list[int], d: int = 128) ->
     want = recurrent()
     cases = [(f"chunked, {b} value columns{' tf32' if p == 'tf32' else ''}", p, b)
              for b in block_v for p in ("tf32x3", "tf32") if p == "tf32x3" or b == block_v[0]]
-    out = {}
+    def report(name: str, ms: float, err: float) -> None:
+        print(f"delta rule {name}, {T} tokens, 16/{hv} heads: {ms:.3f} ms ({ms * 1e3 / T:.2f} us a token), "
+              f"largest difference {err:.1e}", flush=True)
+
     for name, precision, b in cases:
         shipped, delta_rule.DOT_PRECISION = delta_rule.DOT_PRECISION, precision
         try:
             fn = lambda b=b: delta_rule_chunked(q, k, v, g, beta, state, zeros, zeros, starts, T, True, b)  # noqa: E731
             err = (fn() - want).abs().max().item()
-            out[name] = triton.testing.do_bench(fn, warmup=2, rep=200), err
+            report(name, triton.testing.do_bench(fn, warmup=2, rep=200), err)
         finally:
             delta_rule.DOT_PRECISION = shipped
-    out["recurrent"] = triton.testing.do_bench(recurrent, warmup=2, rep=200), 0.0
-    return out
+    report("recurrent", triton.testing.do_bench(recurrent, warmup=2, rep=200), 0.0)
 
 
 def router_us(rows: int, gate: int, block_e: int, hidden: int = 2048, k: int = 8) -> float:
@@ -84,9 +87,7 @@ def main() -> None:
     torch.manual_seed(0)
     for T in map(int, args.tokens.split(",")):
         for hv in (32, 48):
-            for name, (ms, err) in delta_rule_ms(T, 16, hv, [int(b) for b in args.block_v.split(",")]).items():
-                print(f"delta rule {name}, {T} tokens, 16/{hv} heads: {ms:.3f} ms ({ms * 1e3 / T:.2f} us a token), "
-                      f"largest difference {err:.1e}")
+            delta_rule_ms(T, 16, hv, [int(b) for b in args.block_v.split(",")])
     for rows, gate in ((257, moe_ops.GATE_EXPERT), (128, 0)) if args.blocks else ():
         times = {b: router_us(rows, gate, b) for b in map(int, args.blocks.split(","))}
         print(f"router, {rows} rows: " + ", ".join(f"{b} a program {t:.1f} us" for b, t in times.items())
