@@ -15,6 +15,7 @@ import torch
 
 from vegaserve.engine.config import EngineConfig
 from vegaserve.engine.engine_core import EngineCore
+from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 
 
@@ -134,6 +135,30 @@ def check_gpu_path(engine: EngineCore, ref: dict, name: str, scratch: str) -> di
     assert compared >= (16 if scratch == "float32" else 1), figures
     return figures
 
+
+
+def check_decode_steps(engine: EngineCore, ref: dict, name: str, steps: int = 4, tol: float = 1e-4) -> None:
+    """The first prompt as one step, then `steps` of its greedy tokens one decode step each (the one-row
+    kernels: mat-vecs, the recurrence): each step's logits at transformers' top 8 for its row within `tol`."""
+    from vegaserve.engine.kv_cache import BlockTable
+
+    p = ref["prompts"][0]
+    ids, n = p["prompt_ids"] + p["greedy_ids"][:steps], len(p["prompt_ids"])
+    table = BlockTable(engine.pool)
+    table.append_slots(len(ids))
+    state = (engine.states.allocate(),) if engine.states is not None else ()
+    bs = engine.pool.block_size
+    try:
+        engine.executor.forward(StepPlan([(table.blocks_of(n), 0, ids[:n])], [False], bs, state))
+        for i in range(n, len(ids)):
+            logits = engine.executor.forward(StepPlan([(table.blocks_of(i + 1), i, [ids[i]])], [False], bs, state))
+            top = p["transformers"]["top8"][i]
+            got = logits[-1].float().cpu()[torch.tensor([t for t, _ in top])]
+            assert rel(got, torch.tensor([v for _, v in top])) < tol, (name, i)
+    finally:
+        table.release()
+        if state:
+            engine.states.free(state[0])
 
 def check_top8(logits: torch.Tensor, top8: list, tol: float, name: str) -> None:
     """Each row's logits at the reference's top 8 within `tol` relative."""
