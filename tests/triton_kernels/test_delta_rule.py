@@ -63,16 +63,12 @@ def _chunked(q, k, v, g, beta, state, slots, has, starts, tiled, **blocks):
                               tiled, **blocks)
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "grouped"])
-@pytest.mark.parametrize("lengths, decay", [(LENGTHS, 0.2), ([1, 1, 3, 1], 0.2), ([150, 2, 17, 48], 20.0)],
-                         ids=["prompts", "decode", "long-strong-decay"])
-@pytest.mark.parametrize("kernel", [_recurrent, _chunked], ids=["recurrent", "chunked"])
-def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths, decay, tiled):
-    """The strong decay (down to exp(-20) a token) underflows a chunk's exp(G) and overflows exp(-G)."""
-    q, k, v, g, beta, state, starts = _batch(lengths, seed=len(lengths) + tiled, decay=decay)
+def _check_per_sequence(kernel, q, k, v, g, beta, state, starts, tiled, **blocks):
+    """The kernel over the flat batch on the test's device (SLOTS, HAS_STATE): each sequence's outputs and final
+    state within 1e-5 of the token-by-token reference, and the slots no sequence owns untouched."""
     slots, has = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(HAS_STATE, dtype=torch.int32)
     new = state.clone().to(DEVICE)
-    o = kernel(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled).cpu()
+    o = kernel(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), tiled, **blocks).cpu()
     new = new.cpu()
     for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
         s0 = state[SLOTS[i]] if HAS_STATE[i] else None
@@ -83,20 +79,19 @@ def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths
     assert torch.equal(new[[2, 4]], state[[2, 4]])  # slots no sequence owns are untouched
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "grouped"])
+@pytest.mark.parametrize("lengths, decay", [(LENGTHS, 0.2), ([1, 1, 3, 1], 0.2), ([150, 2, 17, 48], 20.0)],
+                         ids=["prompts", "decode", "long-strong-decay"])
+@pytest.mark.parametrize("kernel", [_recurrent, _chunked], ids=["recurrent", "chunked"])
+def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths, decay, tiled):
+    """The strong decay (down to exp(-20) a token) underflows a chunk's exp(G) and overflows exp(-G)."""
+    _check_per_sequence(kernel, *_batch(lengths, seed=len(lengths) + tiled, decay=decay), tiled)
+
 
 def test_the_chunked_kernel_over_several_blocks_of_columns_equals_the_reference():
     """Heads of 32 split into value and solve columns of 16 (the heads above give every program all columns)."""
-    q, k, v, g, beta, state, starts = _batch(LENGTHS, seed=11, D=32)
-    slots, has = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(HAS_STATE, dtype=torch.int32)
-    new = state.clone().to(DEVICE)
-    o = _chunked(*_on(q, k, v, g, beta), new, *_on(slots, has, starts), True, block_v=16, block_d=16).cpu()
-    new = new.cpu()
-    for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
-        s0 = state[SLOTS[i]] if HAS_STATE[i] else None
-        qe, ke = (expand_heads(x[a:b], HV, True) for x in (q, k))
-        want, want_s = delta_rule_recurrent_ref(qe, ke, v[a:b], g[a:b], beta[a:b], s0)
-        assert (o[a:b] - want).abs().max() < 1e-5, i
-        assert (new[SLOTS[i]] - want_s).abs().max() < 1e-5, i
+    _check_per_sequence(_chunked, *_batch(LENGTHS, seed=11, D=32), True, block_v=16, block_d=16)
+
 
 @pytest.mark.parametrize("lengths, block_t", [(LENGTHS, 16), ([2, 1, 1, 3], 32)], ids=["long", "shorter-than-k"])
 def test_conv1d_prefill_equals_the_reference_and_rolls_the_state(lengths, block_t):
