@@ -114,6 +114,14 @@ DOT_PRECISION = "ieee" if getattr(torch.version, "hip", None) else "tf32x3"
 
 
 @triton.jit
+def _chunk_rows(qstart_ptr):
+    """(first row, end of its sequence) of the chunk of program (sequence, chunk of it) = program_id(0, 1); a
+    first row at or past the end: the sequence has fewer chunks."""
+    s = tl.program_id(0)
+    return tl.load(qstart_ptr + s) + tl.program_id(1) * 64, tl.load(qstart_ptr + s + 1)
+
+
+@triton.jit
 def _chunk_kkt_kernel(
     k_ptr, g_ptr, beta_ptr, gc_ptr, a_ptr, qstart_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
     HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
@@ -121,11 +129,9 @@ def _chunk_kkt_kernel(
     """Program (sequence, chunk of it, value head): the chunk's running log decay G into gc [T, HV], and its
     A [i, j] = beta_i exp(G_i - G_j) k_i . k_j below the diagonal (zeros on and above it) into a [T, HV,
     CHUNK], row i at the chunk's row i. A chunk past its sequence's end exits."""
-    s = tl.program_id(0)
     h = tl.program_id(2)
     kh = h % HK if TILED else h // (HV // HK)
-    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
-    end = tl.load(qstart_ptr + s + 1)
+    row0, end = _chunk_rows(qstart_ptr)
     if row0 >= end:
         return
     i = tl.arange(0, 64)
@@ -171,10 +177,8 @@ def _chunk_solve_kernel(a_ptr, m_ptr, qstart_ptr, HV: tl.constexpr, PREC: tl.con
     """Program (sequence, chunk of it, value head): (I + A)^-1 of a's chunk A into m, by blocks of SUB:
     each diagonal block's inverse M_ii by forward substitution, then M_ij = -M_ii sum_k A_ik M_kj (j <= k <
     i) down each column; the blocks above the diagonal are written as zeros."""
-    s = tl.program_id(0)
     h = tl.program_id(2)
-    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
-    end = tl.load(qstart_ptr + s + 1)
+    row0, end = _chunk_rows(qstart_ptr)
     if row0 >= end:
         return
     A21 = _block(a_ptr, row0, end, h, 1, 0, HV)
@@ -218,13 +222,11 @@ def _chunk_wu_kernel(
     """Program (sequence, chunk of it, (value head, half, block of BD columns)): X = (I + A)^-1 R, with the
     inverse from m, for half 0's R = beta v (X: u0) or half 1's R = beta exp(G) k (X: w), into uw [2, T,
     HV, D] f32 at [half]."""
-    s = tl.program_id(0)
     h = tl.program_id(2) // (2 * D // BD)
     half = tl.program_id(2) // (D // BD) % 2
     cols = tl.program_id(2) % (D // BD) * BD + tl.arange(0, BD)
     kh = h % HK if TILED else h // (HV // HK)
-    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
-    end = tl.load(qstart_ptr + s + 1)
+    row0, end = _chunk_rows(qstart_ptr)
     if row0 >= end:
         return
     i = tl.arange(0, 64)
@@ -299,8 +301,7 @@ def _chunk_output_kernel(
     h = tl.program_id(2) // (D // BV)
     cols = tl.program_id(2) % (D // BV) * BV + tl.arange(0, BV)  # value index
     kh = h % HK if TILED else h // (HV // HK)
-    row0 = tl.load(qstart_ptr + s) + tl.program_id(1) * 64
-    end = tl.load(qstart_ptr + s + 1)
+    row0, end = _chunk_rows(qstart_ptr)
     if row0 >= end:
         return
     chunk = tl.load(cstart_ptr + s).to(tl.int64) + tl.program_id(1)
