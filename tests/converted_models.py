@@ -75,6 +75,15 @@ def gpu_path_on_cpu(data: Path, name: str, monkeypatch) -> EngineCore:
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return core(data, name)
 
+
+def check_gpu_path_on_cpu(data: Path, name: str, monkeypatch) -> None:
+    """gpu_path_on_cpu's engine gives transformers' logits within 1e-4, as the CPU path does, for the prompts
+    (check_logits_match_transformers) and for four decode steps after one (check_decode_steps)."""
+    engine = gpu_path_on_cpu(data, name, monkeypatch)
+    ref = reference(data, name)
+    check_logits_match_transformers(engine, ref, name)
+    check_decode_steps(engine, ref, name)
+
 def exact_core(data: Path, name: str, device: str, tmp: Path, **sections) -> EngineCore:
     """The engine the exactness tests compare plain and speculative decoding on: core's f32 path on the CPU;
     on CUDA gpu_core with an f32 scratch, where a verify row and a decode row differ only in the kernels' f32
