@@ -9,7 +9,7 @@ L2 flushed between calls):
                experts and the shared gate over hidden 2048; Qwen3-30B-A3B: 128), against the block the
                launcher picks.
 
-    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--block-v 16,32,64] [--blocks 2,4,8,16,32]
+    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--block-v 32,16,64] [--blocks 2,4,8,16,32]
 
 --block-v: the chunked form's value columns a program of its state and output launches (the first is the
 engine's); --blocks '': no router.
