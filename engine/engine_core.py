@@ -60,6 +60,8 @@ class EngineCore:
         started = torchrun_rank()  # rank 0 of a torchrun job: the other ranks were started by torchrun
         self.launch = plan_launch(config, self.gguf, self.arch, self.max_model_len, num_blocks * bs, self.device,
                                   torchrun_world=started[1] if started else 0)
+        # (a cache of the automatic size shrinks to fit the device)
+        self.max_model_len, num_blocks = self.launch.max_model_len, self.launch.num_slots // bs
         self.executor = start_executor(self.launch, self.device, self.gguf, show_progress)
         self.pool = BlockPool(num_blocks, bs)
         # constrained decoding: grammars compiled for this tokenizer (the server compiles on its threads too)

@@ -119,6 +119,45 @@ def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[
     return (avail // world, "available host memory") if avail else (0, "")
 
 
+# the share of a device an automatically sized KV cache fills, with the weights and recurrent state: the rest is
+# for what the plan does not count (activations, prompt scratch, decode graphs, the allocator's slack)
+AUTO_FILL = 0.9
+
+
+def _fit_memory(launch: Launch, gguf: GGUFFile, arch: ArchConfig, limit: int, source: str) -> Launch:
+    """The launch if every stage fits in `limit` bytes a device. If not, and the cache's size is the automatic
+    one (neither -c nor a block count given, no draft model), a cache shrunk to what fits in AUTO_FILL of
+    it, whole blocks, and the context a sequence may reach capped to match: so that a model trained on a long
+    context serves at -np N where N full contexts would not fit, as llama-server's default does. Otherwise, or
+    where not even a block a sequence fits, a ConfigError naming the need."""
+    stages = range(launch.topo.pp)
+    need = [_rank_bytes(gguf, arch, launch, s) for s in stages]
+    if max(need) <= limit:
+        return launch
+    config, bs = launch.config, launch.config.cache.block_size
+    n_seqs = config.scheduler.max_num_seqs
+    if not config.cache.context_size and not config.cache.num_blocks and config.speculative.type != "draft":
+        fixed = [_rank_bytes(gguf, arch, dataclasses.replace(launch, num_slots=0), s) for s in stages]
+        room = [int(AUTO_FILL * limit) - f for f in fixed]
+        # blocks each stage has room for, at the bytes a block of KV costs it (none on a stage without attention)
+        per_block = [(n - f) // (launch.num_slots // bs) for n, f in zip(need, fixed, strict=True)]
+        blocks = min((r // b for r, b in zip(room, per_block, strict=True) if b), default=launch.num_slots // bs)
+        if blocks >= n_seqs and min(room) >= 0:
+            tokens = blocks * bs
+            log.warning("KV cache sized to fit %s (%.2f GiB): %d tokens shared by %d sequences, context %d a "
+                        "sequence (the model's %d for each would need %.2f GiB); -c sets it", source, limit / 2**30,
+                        tokens, n_seqs, min(tokens, launch.max_model_len), launch.max_model_len,
+                        max(need) / 2**30)
+            return dataclasses.replace(launch, num_slots=tokens, max_model_len=min(tokens, launch.max_model_len))
+    stage = max(stages, key=lambda s: need[s])
+    state = f" and recurrent state for {n_seqs} sequences" if arch.hybrid is not None else ""
+    raise ConfigError(
+        f"{gguf.path}: {launch.topo.describe()} needs {need[stage] / 2**30:.2f} GiB on each device of stage {stage} "
+        f"(weights and KV cache for {launch.num_slots} tokens{state}), but {source} gives {limit / 2**30:.2f} GiB: "
+        f"use more devices, a smaller context (-c) or fewer sequences (-np)"
+    )
+
+
 def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_model_len: int, num_slots: int,
                 device: torch.device, torchrun_world: int = 0) -> Launch:
     """The topology, layer split and memory check for this config; every impossible request fails here."""
@@ -153,17 +192,7 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
                     topo.world_size, torch.cuda.device_count())
         launch = dataclasses.replace(launch, shared_gpus=True)
     limit, source = _device_memory(config, device.type, topo.world_size)
-    state = f" and recurrent state for {config.scheduler.max_num_seqs} sequences" if arch.hybrid is not None else ""
-    if limit:
-        for stage in range(topo.pp):
-            need = _rank_bytes(gguf, arch, launch, stage)
-            if need > limit:
-                raise ConfigError(
-                    f"{gguf.path}: {topo.describe()} needs {need / 2**30:.2f} GiB on each device of stage {stage} "
-                    f"(weights and KV cache for {num_slots} tokens{state}), but {source} gives "
-                    f"{limit / 2**30:.2f} GiB: "
-                    f"use more devices, a smaller context (-c) or fewer sequences (-np)"
-                )
+    return _fit_memory(launch, gguf, arch, limit, source) if limit else launch
     return launch
 
 

@@ -59,7 +59,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("-lm", "--load-mode", choices=["mmap", "read", "dio"], help="how weights are read (default mmap)")
     g.add_argument("--no-repack", action="store_const", const=True, help="keep canonical GGUF blocks on the device")
-    g.add_argument("-c", "--ctx-size", type=int, help="context length in tokens (0: the model's)")
+    g.add_argument("-c", "--ctx-size", type=int, help="context length a sequence may reach (0: the model's, "
+                   "or what fits the device)")
     g.add_argument("-ctk", "--cache-type-k", choices=list(_KV_TYPES), help="KV cache type (default: f32 on a CPU; "
                    "bf16 on GPUs with native bf16, f16 on others such as gfx906)")
     g.add_argument("-ctv", "--cache-type-v", choices=list(_KV_TYPES), help="must equal -ctk: keys and values share one type")

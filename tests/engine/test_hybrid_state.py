@@ -20,7 +20,7 @@ from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.forward_batch import StepPlan
 from vegaserve.engine.gguf_file import GGUFFile, ModelLoadError
 from vegaserve.engine.kv_cache import BlockPool
-from vegaserve.engine.request import GenerateRequest, SamplingParams
+from vegaserve.engine.request import ContextLengthError, GenerateRequest, SamplingParams
 from vegaserve.engine.scheduler import Request, Scheduler, Status
 from vegaserve.engine.state_pool import StatePool
 
@@ -420,28 +420,75 @@ def test_a_hybrid_draft_model_is_refused():
         EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
-def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
-    """qwen35's file: 4 blocks (linear, full, linear, MTP); the KV cache covers the one trunk attention layer,
-    and each of max_num_seqs sequences holds two layers' conv rows and delta-rule heads."""
+def _plan(g: GGUFFile, limit: float, slots: int = 512, context: int = 256, **sections):
+    """plan_launch for 4 sequences of `context` tokens and a cache of `slots` on a device of `limit` bytes."""
     from vegaserve.engine.launch import plan_launch
     from vegaserve.engine.models.arch_config import arch_config_from_gguf
 
-    g = GGUFFile(DATA / "qwen35-f32.gguf")
     arch = arch_config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    slots = 512
+    cfg = EngineConfig.from_dict({"model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
+                                  "parallel": {"device_memory_gib": limit / 2**30}, **sections})
+    return plan_launch(cfg, g, arch, context, slots, torch.device("cpu"))
+
+
+def _qwen35_bytes(g: GGUFFile, slots: int) -> int:
+    """qwen35's file: 4 blocks (linear, full, linear, MTP); the KV cache covers the one trunk attention layer,
+    and each of max_num_seqs (4) sequences holds two layers' conv rows and delta-rule heads."""
     weights = sum(t.n_bytes for n, t in g.tensors.items() if n.startswith("blk.") or n == "token_embd.weight")
     kv = 2 * 1 * slots * 1 * 32 * 4  # k and v, one layer, one KV head of 32, f32
     state = 2 * 4 * ((4 - 1) * 128 + 4 * 16 * 16)  # 2 layers: 3 conv rows of 128 channels, 4 heads of 16 x 16
-    need = weights + kv + 4 * state
+    return weights + kv + 4 * state
 
-    def plan(limit: float):
-        cfg = EngineConfig.from_dict({"model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
-                                      "parallel": {"device_memory_gib": limit / 2**30}})
-        return plan_launch(cfg, g, arch, 256, slots, torch.device("cpu"))
 
-    plan(need + 0.5)
+def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
+    """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds."""
+    g = GGUFFile(DATA / "qwen35-f32.gguf")
+    need = _qwen35_bytes(g, 512)
+    _plan(g, need + 0.5, cache={"context_size": 128})
     with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences"):
-        plan(need - 1)
+        _plan(g, need - 1, cache={"context_size": 128})
+
+
+def test_a_cache_of_the_automatic_size_shrinks_to_fit_the_device():
+    """Neither -c nor a block count given: a cache that does not fit shrinks to the whole blocks that fit in
+    AUTO_FILL of the device, and the context a sequence may reach with it; where not a block a sequence fits,
+    or with a draft model, the plan fails as with -c."""
+    from vegaserve.engine.launch import AUTO_FILL
+
+    g = GGUFFile(DATA / "qwen35-f32.gguf")
+    limit = _qwen35_bytes(g, 512) - 1
+    launch = _plan(g, limit)
+    blocks = launch.num_slots // 16
+    assert launch.num_slots % 16 == 0 and launch.max_model_len == min(256, launch.num_slots)
+    assert _qwen35_bytes(g, blocks * 16) <= AUTO_FILL * limit < _qwen35_bytes(g, (blocks + 1) * 16)
+    assert 4 <= blocks < 32
+    small = _qwen35_bytes(g, 16 * 4) / AUTO_FILL
+    assert _plan(g, small + 1, slots=4096, context=1024).max_model_len == 64  # 4 blocks: one a sequence
+    with pytest.raises(ConfigError, match="KV cache for 4096 tokens"):
+        _plan(g, small - 16 * 256, slots=4096, context=1024)  # three blocks' worth: fewer than the sequences
+    with pytest.raises(ConfigError, match="KV cache for 512 tokens"):  # the draft's memory is not planned here
+        _plan(g, limit, speculative={"type": "draft", "draft_model": str(g.path)})
+
+
+def test_the_engine_serves_from_a_shrunk_cache_with_the_context_it_allows():
+    """The model's 4,096 tokens for each of 4 sequences do not fit a device of 40 blocks' room: the engine
+    starts with those 640 tokens, a prompt over them is refused and one within is served."""
+    g = GGUFFile(DATA / "qwen35-f32.gguf")
+    from vegaserve.engine.launch import AUTO_FILL
+
+    limit = (_qwen35_bytes(g, 40 * 16) + 100) / AUTO_FILL
+    core = EngineCore(EngineConfig.from_dict({
+        "model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
+        "parallel": {"device_memory_gib": limit / 2**30}}), show_progress=False)
+    try:
+        assert (core.max_model_len, core.pool.num_blocks) == (640, 40)
+        with pytest.raises(ContextLengthError, match="the context holds 640"):
+            core.generate_sync(GenerateRequest([1] * 700, SamplingParams(max_tokens=1)))
+        out = [t for o in core.generate_sync(GenerateRequest([1] * 600, SamplingParams(max_tokens=8, ignore_eos=True)))
+               for t in o.token_ids]
+        assert len(out) == 8
+    finally:
+        core.close()
 
 
 def _rewrite(src: Path, dst: Path, metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
