@@ -10,13 +10,14 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vegaserve.engine.config import ConfigError, EngineConfig
 from vegaserve.engine.distributed.topology import (
-    Topology, check_model_splits, kv_heads_per_lane, partition_layers, plan_topology,
+    SINGLE, Topology, check_model_splits, kv_heads_per_lane, partition_layers, plan_topology,
 )
 from vegaserve.engine.env import local_rank
 from vegaserve.engine.gguf_file import GGUFFile
@@ -124,20 +125,41 @@ def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[
 AUTO_FILL = 0.9
 
 
+def _draft_bytes(launch: Launch) -> Callable[[Launch], int]:
+    """What a draft model (--spec-type draft) holds on the target's first device for a launch: its weights and
+    a KV cache of as many slots as the target's (engine/speculative.py's DraftModelProposer); 0 without one."""
+    spec = launch.config.speculative
+    if spec.type != "draft" or not spec.draft_model:
+        return lambda _: 0
+    from vegaserve.engine.models.arch_config import arch_config_from_gguf
+
+    gguf = GGUFFile(spec.draft_model)
+    arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
+    config = dataclasses.replace(launch.config, speculative=dataclasses.replace(spec, type="none", draft_model=None))
+    return lambda target: _rank_bytes(gguf, arch, dataclasses.replace(
+        target, config=config, topo=SINGLE, stages=(range(arch.n_layers),)), 0)
+
+
 def _fit_memory(launch: Launch, gguf: GGUFFile, arch: ArchConfig, limit: int, source: str) -> Launch:
-    """The launch if every stage fits in `limit` bytes a device. If not, and the cache's size is the automatic
-    one (neither -c nor a block count given, no draft model), a cache shrunk to what fits in AUTO_FILL of
-    it, whole blocks, and the context a sequence may reach capped to match: so that a model trained on a long
-    context serves at -np N where N full contexts would not fit, as llama-server's default does. Otherwise, or
-    where not even a block a sequence fits, a ConfigError naming the need."""
+    """The launch if every stage fits in `limit` bytes a device (a draft model's weights and cache counted on
+    the first). If not, and the cache's size is the automatic one (neither -c nor a block count given), a
+    cache shrunk to what fits in AUTO_FILL of it, whole blocks, and the context a sequence may reach capped to
+    match: so that a model trained on a long context serves at -np N where N full contexts would not fit, as
+    llama-server's default does. Otherwise, or where not even a block a sequence fits, a ConfigError naming
+    the need."""
     stages = range(launch.topo.pp)
-    need = [_rank_bytes(gguf, arch, launch, s) for s in stages]
+    draft = _draft_bytes(launch)
+
+    def needs(plan: Launch) -> list[int]:
+        return [_rank_bytes(gguf, arch, plan, s) + (draft(plan) if s == 0 else 0) for s in stages]
+
+    need = needs(launch)
     if max(need) <= limit:
         return launch
     config, bs = launch.config, launch.config.cache.block_size
     n_seqs = config.scheduler.max_num_seqs
-    if not config.cache.context_size and not config.cache.num_blocks and config.speculative.type != "draft":
-        fixed = [_rank_bytes(gguf, arch, dataclasses.replace(launch, num_slots=0), s) for s in stages]
+    if not config.cache.context_size and not config.cache.num_blocks:
+        fixed = needs(dataclasses.replace(launch, num_slots=0))
         room = [int(AUTO_FILL * limit) - f for f in fixed]
         # blocks each stage has room for, at the bytes a block of KV costs it (none on a stage without attention)
         per_block = [(n - f) // (launch.num_slots // bs) for n, f in zip(need, fixed, strict=True)]
@@ -151,6 +173,8 @@ def _fit_memory(launch: Launch, gguf: GGUFFile, arch: ArchConfig, limit: int, so
             return dataclasses.replace(launch, num_slots=tokens, max_model_len=min(tokens, launch.max_model_len))
     stage = max(stages, key=lambda s: need[s])
     state = f" and recurrent state for {n_seqs} sequences" if arch.hybrid is not None else ""
+    if stage == 0 and config.speculative.type == "draft":
+        state += ", with the draft model's"
     raise ConfigError(
         f"{gguf.path}: {launch.topo.describe()} needs {need[stage] / 2**30:.2f} GiB on each device of stage {stage} "
         f"(weights and KV cache for {launch.num_slots} tokens{state}), but {source} gives {limit / 2**30:.2f} GiB: "

@@ -431,43 +431,50 @@ def _plan(g: GGUFFile, limit: float, slots: int = 512, context: int = 256, **sec
     return plan_launch(cfg, g, arch, context, slots, torch.device("cpu"))
 
 
-def _qwen35_bytes(g: GGUFFile, slots: int) -> int:
+def _qwen35_bytes(g: GGUFFile, slots: int, draft: bool = False) -> int:
     """qwen35's file: 4 blocks (linear, full, linear, MTP); the KV cache covers the one trunk attention layer,
-    and each of max_num_seqs (4) sequences holds two layers' conv rows and delta-rule heads."""
+    and each of max_num_seqs (4) sequences holds two layers' conv rows and delta-rule heads. With `draft`, the
+    file drafting for itself: its weights and cache twice, and the target's state kept twice for verify steps."""
     weights = sum(t.n_bytes for n, t in g.tensors.items() if n.startswith("blk.") or n == "token_embd.weight")
     kv = 2 * 1 * slots * 1 * 32 * 4  # k and v, one layer, one KV head of 32, f32
     state = 2 * 4 * ((4 - 1) * 128 + 4 * 16 * 16)  # 2 layers: 3 conv rows of 128 channels, 4 heads of 16 x 16
-    return weights + kv + 4 * state
+    return weights + kv + 4 * state + (weights + kv + 2 * 4 * state if draft else 0)
 
 
 def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
-    """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds."""
+    """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds; a draft
+    model's weights and cache count on the first device."""
     g = GGUFFile(DATA / "qwen35-f32.gguf")
     need = _qwen35_bytes(g, 512)
     _plan(g, need + 0.5, cache={"context_size": 128})
     with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences"):
         _plan(g, need - 1, cache={"context_size": 128})
+    draft = {"type": "draft", "draft_model": str(g.path)}
+    need = _qwen35_bytes(g, 512, draft=True)
+    _plan(g, need + 0.5, cache={"context_size": 128}, speculative=draft)
+    with pytest.raises(ConfigError, match="for 4 sequences, with the draft model's"):
+        _plan(g, need - 1, cache={"context_size": 128}, speculative=draft)
 
 
-def test_a_cache_of_the_automatic_size_shrinks_to_fit_the_device():
+@pytest.mark.parametrize("draft", [False, True], ids=["alone", "with-a-draft"])
+def test_a_cache_of_the_automatic_size_shrinks_to_fit_the_device(draft):
     """Neither -c nor a block count given: a cache that does not fit shrinks to the whole blocks that fit in
-    AUTO_FILL of the device, and the context a sequence may reach with it; where not a block a sequence fits,
-    or with a draft model, the plan fails as with -c."""
+    AUTO_FILL of the device (a draft model's weights and cache counted), and the context a sequence may reach
+    with it; where not a block a sequence fits, the plan fails as with -c."""
     from vegaserve.engine.launch import AUTO_FILL
 
     g = GGUFFile(DATA / "qwen35-f32.gguf")
-    limit = _qwen35_bytes(g, 512) - 1
-    launch = _plan(g, limit)
+    sections = {"speculative": {"type": "draft", "draft_model": str(g.path)}} if draft else {}
+    limit = _qwen35_bytes(g, 512, draft) - 1
+    launch = _plan(g, limit, **sections)
     blocks = launch.num_slots // 16
     assert launch.num_slots % 16 == 0 and launch.max_model_len == min(256, launch.num_slots)
-    assert _qwen35_bytes(g, blocks * 16) <= AUTO_FILL * limit < _qwen35_bytes(g, (blocks + 1) * 16)
+    assert _qwen35_bytes(g, blocks * 16, draft) <= AUTO_FILL * limit < _qwen35_bytes(g, (blocks + 1) * 16, draft)
     assert 4 <= blocks < 32
-    small = _qwen35_bytes(g, 16 * 4) / AUTO_FILL
-    assert _plan(g, small + 1, slots=4096, context=1024).max_model_len == 64  # 4 blocks: one a sequence
-    with pytest.raises(ConfigError, match="KV cache for 4096 tokens"):
-        _plan(g, small - 16 * 256, slots=4096, context=1024)  # three blocks' worth: fewer than the sequences
-    with pytest.raises(ConfigError, match="KV cache for 512 tokens"):  # the draft's memory is not planned here
-        _plan(g, limit, speculative={"type": "draft", "draft_model": str(g.path)})
+    small = _qwen35_bytes(g, 16 * 4, draft) / AUTO_FILL
+    assert _plan(g, small + 1, slots=4096, context=1024, **sections).max_model_len == 64  # 4 blocks: one a sequence
+    with pytest.raises(ConfigError, match="KV cache for 4096 tokens"):  # three blocks' worth: fewer than sequences
+        _plan(g, small - 16 * 256 * (2 if draft else 1), slots=4096, context=1024, **sections)
 
 
 def test_the_engine_serves_from_a_shrunk_cache_with_the_context_it_allows():
