@@ -88,9 +88,11 @@ def test_the_delta_rule_kernel_equals_the_reference_per_sequence(kernel, lengths
     _check_per_sequence(kernel, *_batch(lengths, seed=len(lengths) + tiled, decay=decay), tiled)
 
 
-def test_the_chunked_kernel_over_several_blocks_of_columns_equals_the_reference():
-    """Heads of 32 split into value and solve columns of 16 (the heads above give every program all columns)."""
-    _check_per_sequence(_chunked, *_batch(LENGTHS, seed=11, D=32), True, block_v=16, block_d=16)
+@pytest.mark.parametrize("d, blocks", [(32, dict(block_v=16, block_d=16)), (128, {})], ids=["32-by-16", "128-default"])
+def test_the_chunked_kernel_over_several_blocks_of_columns_equals_the_reference(d, blocks):
+    """Heads of 32 split into value and solve columns of 16 (the heads above give every program all columns),
+    and Qwen3.6's heads of 128 in the blocks the engine launches (the defaults)."""
+    _check_per_sequence(_chunked, *_batch(LENGTHS, seed=11, D=d), True, **blocks)
 
 
 @pytest.mark.parametrize("lengths, block_t", [(LENGTHS, 16), ([2, 1, 1, 3], 32)], ids=["long", "shorter-than-k"])
