@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from vegaserve.engine.distributed.topology import (
     SINGLE, Topology, check_model_splits, kv_heads_per_lane, partition_layers, plan_topology,
 )
 from vegaserve.engine.env import local_rank
-from vegaserve.engine.gguf_file import GGUFFile
+from vegaserve.engine.gguf_file import GGUFFile, TensorInfo
 from vegaserve.engine.layers.attention import kv_cache_dtype
 from vegaserve.engine.models.arch_config import ArchConfig
 from vegaserve.triton_kernels.dequant import spec_for
@@ -84,9 +85,37 @@ def _layer_bytes(gguf: GGUFFile, arch: ArchConfig) -> list[int]:
     return sizes
 
 
+def scratch_elements(gguf: GGUFFile, layers: range, head: bool) -> tuple[int, int]:
+    """Bounds of the GPU method's two prompt scratches (engine/layers/linear.py TritonMethod), in elements, on a
+    rank holding `layers` (and the output matrix where `head`): the dense one holds the largest matrix it was
+    given dequantized, where one block's matrices fused into one count at most their sum; the expert one the
+    largest stack of a block's experts, gate and up stacked, with the shared expert where there is one.
+    Tensor-parallel slices count whole."""
+    dense = experts = 0
+    blocks: dict[int, list[TensorInfo]] = {}
+    for name, info in gguf.tensors.items():
+        if name.startswith("blk.") and int(name.split(".")[1]) in layers:
+            blocks.setdefault(int(name.split(".")[1]), []).append(info)
+    for infos in blocks.values():
+        dense = max(dense, sum(math.prod(i.shape) for i in infos if len(i.shape) == 2))
+        size = {i.name.split(".", 2)[2]: math.prod(i.shape) for i in infos}
+
+        def stack(*names: str) -> int:
+            return sum(size.get(f"ffn_{n}.weight", 0) for n in names)
+
+        if "ffn_down_exps.weight" in size:  # (a shared expert of the experts' shape joins their stacks)
+            experts = max(experts, stack("gate_exps", "up_exps", "gate_shexp", "up_shexp"),
+                          stack("down_exps", "down_shexp"))
+    if head:
+        out = gguf.info("output.weight") if "output.weight" in gguf else gguf.info("token_embd.weight")
+        dense = max(dense, math.prod(out.shape))
+    return dense, experts
+
+
 def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
     """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix); a hybrid
-    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences."""
+    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences. On a GPU also
+    the prompt scratches (scratch_elements, bf16)."""
     layers = launch.stages[stage]
     sizes = _layer_bytes(gguf, arch)
     n = sum(sizes[i] for i in layers)
@@ -105,7 +134,8 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     # (speculative decoding keeps a backup of each sequence's state for its verify steps)
     state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
         1 + launch.config.speculative.enabled)
-    return n // launch.topo.tp + kv + state
+    scratch = 2 * sum(scratch_elements(gguf, layers, stage == launch.topo.pp - 1)) if launch.device_type == "cuda" else 0
+    return n // launch.topo.tp + kv + state + scratch
 
 
 def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[int, str]:
@@ -120,8 +150,8 @@ def _device_memory(config: EngineConfig, device_type: str, world: int) -> tuple[
     return (avail // world, "available host memory") if avail else (0, "")
 
 
-# the share of a device an automatically sized KV cache fills, with the weights and recurrent state: the rest is
-# for what the plan does not count (activations, prompt scratch, decode graphs, the allocator's slack)
+# the share of a device an automatically sized KV cache fills, with what else the plan counts (weights, recurrent
+# state, prompt scratches): the rest is for what it does not (activations, decode graphs, the allocator's slack)
 AUTO_FILL = 0.9
 
 

@@ -8,6 +8,7 @@ by layer). Models: the converted tiny ones of tests/data/hybrid."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -420,15 +421,15 @@ def test_a_hybrid_draft_model_is_refused():
         EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
-def _plan(g: GGUFFile, limit: float, slots: int = 512, context: int = 256, **sections):
+def _plan(g: GGUFFile, limit: float, slots: int = 512, context: int = 256, device: str = "cpu", **sections):
     """plan_launch for 4 sequences of `context` tokens and a cache of `slots` on a device of `limit` bytes."""
     from vegaserve.engine.launch import plan_launch
     from vegaserve.engine.models.arch_config import arch_config_from_gguf
 
     arch = arch_config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    cfg = EngineConfig.from_dict({"model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": "cpu",
+    cfg = EngineConfig.from_dict({"model": {"path": str(g.path)}, "scheduler": {"max_num_seqs": 4}, "device": device,
                                   "parallel": {"device_memory_gib": limit / 2**30}, **sections})
-    return plan_launch(cfg, g, arch, context, slots, torch.device("cpu"))
+    return plan_launch(cfg, g, arch, context, slots, torch.device(device))
 
 
 def _qwen35_bytes(g: GGUFFile, slots: int, draft: bool = False) -> int:
@@ -443,12 +444,20 @@ def _qwen35_bytes(g: GGUFFile, slots: int, draft: bool = False) -> int:
 
 def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
     """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds; a draft
-    model's weights and cache count on the first device."""
+    model's weights and cache count on the first device; on a GPU, the prompt scratches too (the largest of
+    these four blocks' matrices together, bf16: the bound launch.scratch_elements gives and the emulated GPU
+    path's checks hold the method to)."""
     g = GGUFFile(DATA / "qwen35-f32.gguf")
     need = _qwen35_bytes(g, 512)
     _plan(g, need + 0.5, cache={"context_size": 128})
     with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences"):
         _plan(g, need - 1, cache={"context_size": 128})
+    scratch = 2 * max(sum(math.prod(t.shape) for n, t in g.tensors.items()
+                          if n.startswith(f"blk.{i}.") and len(t.shape) == 2) for i in range(4))
+    gpu = {"device": "cuda", "cache": {"context_size": 128, "kv_dtype": "float32"}}
+    _plan(g, need + scratch + 0.5, **gpu)
+    with pytest.raises(ConfigError, match="KV cache for 512 tokens"):
+        _plan(g, need + scratch - 1, **gpu)
     draft = {"type": "draft", "draft_model": str(g.path)}
     need = _qwen35_bytes(g, 512, draft=True)
     _plan(g, need + 0.5, cache={"context_size": 128}, speculative=draft)
