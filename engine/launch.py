@@ -247,7 +247,6 @@ def plan_launch(config: EngineConfig, gguf: GGUFFile, arch: ArchConfig, max_mode
         launch = dataclasses.replace(launch, shared_gpus=True)
     limit, source = _device_memory(config, device.type, topo.world_size)
     return _fit_memory(launch, gguf, arch, limit, source) if limit else launch
-    return launch
 
 
 def rank_device(launch: Launch, rank: int) -> torch.device:
