@@ -134,7 +134,8 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     # (speculative decoding keeps a backup of each sequence's state for its verify steps)
     state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
         1 + launch.config.speculative.enabled)
-    scratch = 2 * sum(scratch_elements(gguf, layers, stage == launch.topo.pp - 1)) if launch.device_type == "cuda" else 0
+    head = stage == launch.topo.pp - 1
+    scratch = 2 * sum(scratch_elements(gguf, layers, head)) if launch.device_type == "cuda" else 0
     return n // launch.topo.tp + kv + state + scratch
 
 
