@@ -9,10 +9,11 @@ L2 flushed between calls):
                experts and the shared gate over hidden 2048; Qwen3-30B-A3B: 128), against the block the
                launcher picks.
 
-    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--block-v 32,16,64] [--blocks 2,4,8,16,32]
+    python benchmarks/bench_hybrid_ops.py [--tokens 512,2048] [--block-v 32] [--blocks 2,4,8,16,32]
 
---block-v: the chunked form's value columns a program of its state and output launches (the first is the
-engine's); --blocks '': no router.
+--block-v: the chunked form's value columns a program of its state and output launches, a list (the first is
+timed in one tf32 pass too; 32 is the engine's; 16 faults on an H100 under Triton 3.6, docs/PERFORMANCE.md);
+--blocks '': no router.
 
 Prints one line a case.
 """
@@ -81,7 +82,7 @@ def router_us(rows: int, gate: int, block_e: int, hidden: int = 2048, k: int = 8
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,2048")
-    ap.add_argument("--block-v", default="32,16,64")
+    ap.add_argument("--block-v", default="32")
     ap.add_argument("--blocks", default="2,4,8,16,32")
     args = ap.parse_args()
     torch.manual_seed(0)

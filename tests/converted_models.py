@@ -60,7 +60,6 @@ def gpu_core(data: Path, name: str, scratch: str, tmp: Path, **sections) -> Engi
     return EngineCore(EngineConfig.from_dict(cfg), show_progress=False)
 
 
-
 def gpu_path_on_cpu(data: Path, name: str, monkeypatch) -> EngineCore:
     """`{name}-f32.gguf` through the GPU path's Python on a CPU: the Triton quant method (its prefill products
     in f32: the interpreter's bf16 is not a GPU's) and every `x.is_cuda` branch taken (torch.Tensor.is_cuda
@@ -90,6 +89,7 @@ def check_gpu_path_on_cpu(data: Path, name: str, monkeypatch) -> None:
     ref = reference(data, name)
     check_logits_match_transformers(engine, ref, name)
     check_decode_steps(engine, ref, name)
+
 
 def exact_core(data: Path, name: str, device: str, tmp: Path, **sections) -> EngineCore:
     """The engine the exactness tests compare plain and speculative decoding on: core's f32 path on the CPU;
@@ -152,7 +152,6 @@ def check_gpu_path(engine: EngineCore, ref: dict, name: str, scratch: str) -> di
     return figures
 
 
-
 def check_decode_steps(engine: EngineCore, ref: dict, name: str, steps: int = 4, tol: float = 1e-4) -> None:
     """The first prompt as one step, then `steps` of its greedy tokens one decode step each (the one-row
     kernels: mat-vecs, the recurrence): each step's logits at transformers' top 8 for its row within `tol`."""
@@ -175,6 +174,7 @@ def check_decode_steps(engine: EngineCore, ref: dict, name: str, steps: int = 4,
         table.release()
         if state:
             engine.states.free(state[0])
+
 
 def check_top8(logits: torch.Tensor, top8: list, tol: float, name: str) -> None:
     """Each row's logits at the reference's top 8 within `tol` relative."""
