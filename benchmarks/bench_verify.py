@@ -13,6 +13,10 @@ A step's time is the median over --rounds of (--steps steps back to back, then a
 The acceptance figure of speculative decoding is verify / decode at 1 stream (R = 5: <= 1.3x).
 
     python benchmarks/bench_verify.py -m FILE [--rows 5] [--streams 1,16] [--ctx 512] [--steps 20] [--rounds 7]
+        [--kernel-table FILE]
+
+--kernel-table writes, for the first stream count, each kind of step's kernels under torch.profiler (--steps
+steps, replayed), sorted by device time: where a verify step's extra time goes.
 
 Prints a table and one JSON line.
 """
@@ -46,6 +50,19 @@ def step_ms(worker, plan: StepPlan, steps: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def kernel_table(worker, plan: StepPlan, steps: int) -> str:
+    """The kernels of `steps` replays of `plan` by total device time, with their counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    worker.run(plan)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            worker.run(plan)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", required=True)
@@ -54,6 +71,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="tokens already in each sequence's cache")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--kernel-table", default=None, help="write the first stream count's kernel tables here")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     R = args.rows
@@ -88,6 +106,10 @@ def main() -> None:
         worker.verify_graphs = verify_graphs
         print(f"| {s} | {d:.3f} | {v:.3f} | {e:.3f} | {v / d:.2f}x |", flush=True)
         result[f"s{s}"] = {"decode_ms": d, "verify_ms": v, "verify_eager_ms": e}
+        if args.kernel_table and s == streams[0]:
+            with open(args.kernel_table, "w") as f:
+                for name, plan in (("decode", decode), ("verify", verify)):
+                    f.write(f"{name} step, {s} streams, {args.steps} steps\n{kernel_table(worker, plan, args.steps)}\n")
     print(json.dumps(result))
     core.close()
 
