@@ -353,9 +353,12 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         k, uw, g, states, state, slots, has_state, query_start, cstart, k.stride(0), k.stride(1), g.stride(0),
         uw.stride(0), state.stride(0), state.stride(1), HK=HK, HV=HV, TILED=tiled, D=D, BV=bv, PREC=DOT_PRECISION,
         num_warps=8)
+    # eight warps on 16 value columns: an illegal address on an H100 under Triton 3.6 (the products' [64, 16]
+    # tiles); four there ran the GPU tests clean, eight from 32 columns on as before
     _chunk_output_kernel[grid[:2] + (HV * (D // bv),)](
         q, k, uw, gc, states, o, query_start, cstart, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        o.stride(0), o.stride(1), HK=HK, HV=HV, TILED=tiled, D=D, BV=bv, PREC=DOT_PRECISION, num_warps=8)
+        o.stride(0), o.stride(1), HK=HK, HV=HV, TILED=tiled, D=D, BV=bv, PREC=DOT_PRECISION,
+        num_warps=8 if bv >= 32 else 4)
     return o
 
 # -- torch references (the CPU path) -----------------------------------------------------------------------
