@@ -294,7 +294,10 @@ class TritonMethod(QuantMethod):
         grouped = not self._decode(tokens)
         if not grouped and q8_1 is None and any(c.kernel.int8 for c in layer.tuned):
             q8_1 = quantize_q8_1(x)  # once for every int8 stack of the layer
-        quant = tokens < self.tuning.dense_from_m  # batched decode: the experts read once, quantized
+        # the quantized GEMM while an expert's even share of the assignments stays below dense_from_m rows,
+        # where a dense matrix's rows would take it (2048 prompt tokens at 8 of 256 experts: 64 rows each);
+        # the stack dequantized into the scratch from there
+        quant = ids.numel() < self.tuning.dense_from_m * layer.packed[0].experts
         outs = [expert_matmul(x, w, experts, c, grouped, q8_1=q8_1 if c.kernel.int8 else None,
                               scratch=self.expert_scratch, quant=quant)
                 for w, c in zip(layer.packed, layer.tuned, strict=True)]

@@ -235,3 +235,32 @@ def test_rows_past_eight_take_the_quantized_gemm_then_the_dense_path_at_dense_fr
             ref = matmul.reference_matmul(x, _cpu(w))
             assert float((part - ref).norm() / ref.norm()) < 1e-5, (m, w.type_name)
     assert not layer.wants_q8_1(9)
+
+
+def test_a_prompts_experts_take_the_quantized_gemm_while_their_share_stays_below_dense_from_m(tmp_path, monkeypatch):
+    """A prompt through 4 Q4_K experts, two a token, dense_from_m 16: the quantized grouped GEMM while the
+    assignments stay below 16 rows an expert on average (12 and 20 tokens: 24 and 40 assignments), the stack
+    dequantized into the scratch from 64 on (40 tokens); either equals the experts' reference product."""
+    from vegaserve.engine.layers.moe import ExpertLinear
+    from vegaserve.triton_kernels import moe
+
+    ran: list[str] = []
+    real_quant, real_dense = moe.grouped_quant_gemm, moe.grouped_gemm
+    monkeypatch.setattr(moe, "grouped_quant_gemm", lambda *a, **p: ran.append("quant") or real_quant(*a, **p))
+    monkeypatch.setattr(moe, "grouped_gemm", lambda *a, **p: ran.append("dense") or real_dense(*a, **p))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"prefill": {"dense_from_m": 16}}))
+    E, N, K = 4, 24, 256
+    gen = torch.Generator().manual_seed(9)
+    raw = random_blocks(IDS["Q4_K"], E * N, K // 256, gen).to(DEVICE)
+    info = TensorInfo("ffn_gate_exps", IDS["Q4_K"], "Q4_K", (E, N, K), raw.numel(), 0, 0)
+    layer = ExpertLinear(E, K, [N], TritonMethod(tuning_file=str(f), gemm_dtype=torch.float32))
+    layer.load([WeightSource(info, raw.reshape(-1), "t.gguf")], torch.device(DEVICE))
+    for tokens, path in ((12, "quant"), (20, "quant"), (40, "dense")):
+        ran.clear()
+        x = torch.randn(tokens, K, generator=gen).to(DEVICE)
+        ids = torch.randint(0, E, (tokens * 2,), generator=gen).to(DEVICE)
+        y = layer(x, ids, 2, tokens)
+        assert ran == [path], tokens
+        ref = moe.reference_expert_matmul(x.cpu(), _cpu(layer.packed[0]), moe.Experts(ids, 2))
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, tokens
