@@ -136,3 +136,33 @@ def test_combine_sums_each_tokens_experts_with_their_weights(with_bias, with_sha
            {"b": bias, "s": shared, "l": logit}.items()}
     out = combine(y.to(DEVICE), w.to(DEVICE), ids.to(DEVICE), dev["b"], dev["s"], dev["l"])
     assert torch.allclose(out.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vegaserve.triton_kernels import moe_ops
+
+backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
+f32 = "*fp32"
+# the decode router as router() launches it: Qwen3.6-35B-A3B's 256 experts, 8 chosen, the shared expert joined
+block_h = min(moe_ops.ROUTER_TILE // moe_ops.ROUTER_BLOCK, 2048)
+consts = dict(K=8, K_P2=8, E_P2=256, SOFTMAX=True, NORM=True, BIAS=False, GATE=moe_ops.GATE_EXPERT,
+              BLOCK_E=moe_ops.ROUTER_BLOCK, BLOCK_H=block_h, PDL=False)
+ptrs = {"x_ptr": f32, "r_ptr": f32, "b_ptr": f32, "logits_ptr": f32, "count_ptr": "*i32", "w_ptr": f32,
+        "ids_ptr": "*i64", "s_ptr": f32}
+fn = moe_ops._router_kernel
+sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": moe_ops.ROUTER_WARPS})
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("backend,arch,warp", [("cuda", "90", 32), ("hip", "gfx906", 64)], ids=["sm90", "gfx906"])
+def test_the_router_compiles_for_the_target_at_its_launch(backend, arch, warp, offline_compile):
+    """The fused decode router at the launcher's rows a program and warps, for an NVIDIA sm_90 and an AMD
+    gfx906 (one wave of 64 there; not run on one)."""
+    offline_compile(COMPILE, backend, arch, warp)
