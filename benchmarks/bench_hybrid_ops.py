@@ -25,7 +25,7 @@ import argparse
 import torch
 import triton
 
-from vegaserve.triton_kernels import delta_rule, moe_ops, pdl
+from vegaserve.triton_kernels import delta_rule, moe_ops
 from vegaserve.triton_kernels.delta_rule import delta_rule_chunked, delta_rule_recurrent
 from vegaserve.triton_kernels.timing import bench_graph
 

@@ -145,9 +145,9 @@ def router_counters(device: torch.device) -> torch.Tensor:
 
 ROUTER_BLOCK = 2  # router rows (experts, and a shared gate) a program of the fused launch takes
 ROUTER_WARPS = 1  # and its warps: the last program's k rounds of arg-max reduce within one warp
-# A launch for one token over hidden 2048, replayed in a graph on an H100 (2026-12-07, .bench's sweep of 2-32
-# rows a program x 1, 2, 4 warps): 257 rows 6.8 us at 2 and one warp against 15.4 at the 32 and four warps
-# this took before; 128 rows 6.1 against 14.2 (at 16 and four). The decode step of the synthetic
+# A launch for one token over hidden 2048, replayed in a graph on an H100 (2026-12-07, a sweep of 2-32 rows a
+# program x 1, 2, 4 warps, the loop of benchmarks/bench_hybrid_ops.py's router): 257 rows 6.8 us at 2 and one
+# warp against 15.4 at the 32 and four warps this took before; 128 rows 6.1 against 14.2 (at 16 and four). The decode step of the synthetic
 # Qwen3.6-35B-A3B went from 2.840 to 2.597 ms with it, Qwen3-30B-A3B's from 3.241 to 3.037 ms.
 
 
