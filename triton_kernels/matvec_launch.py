@@ -10,7 +10,7 @@ result, the same sum on every run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -89,6 +89,9 @@ class Experts:
 
     ids: torch.Tensor  # [A] int64, on the device
     x_div: int = 1
+    # moe.sorted_runs' memo of the assignments sorted by expert, where the launches of one layer's step share
+    # them (gate/up and down: one sort, not one a launch)
+    sorts: dict | None = field(default=None, compare=False)
 
     @property
     def count(self) -> int:

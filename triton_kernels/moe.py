@@ -70,6 +70,16 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[tor
     return order, counts, torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
 
 
+def sorted_runs(experts: Experts, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """sort_by_expert of the assignments, made once per (experts, block_m) where `experts` carries a memo."""
+    if experts.sorts is None:
+        return sort_by_expert(experts.ids, n_experts, block_m)
+    key = (n_experts, block_m)
+    if key not in experts.sorts:
+        experts.sorts[key] = sort_by_expert(experts.ids, n_experts, block_m)
+    return experts.sorts[key]
+
+
 def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64) -> torch.Tensor:
     """The grouped path on the quantized stack: x [R, K] (bf16/fp16, or f32 with IEEE products) -> y [A, N]
     f32, each expert in use read once per BLOCK_M of its assignments: BLOCK_M the power of two (16 to 64)
@@ -77,7 +87,7 @@ def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block
     gemm.gemm_tiles gives them for the type, no K split (the experts in use fill the grid)."""
     A = experts.count
     block_m = min(64, max(16, triton.next_power_of_2(-(-A // w.experts))))
-    order, counts, starts, pstarts = sort_by_expert(experts.ids, w.experts, block_m)
+    order, counts, starts, pstarts = sorted_runs(experts, w.experts, block_m)
     return quant_gemm(x, w, block_m=block_m, block_n=block_n, **gemm_tiles(w.type_id),
                       grouped=(order, counts, starts, pstarts, experts.x_div, A))
 
@@ -88,7 +98,7 @@ def grouped_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_m: in
     """The grouped path: x [R, K] (bf16/fp16, or f32 with IEEE products for exact checks) -> y [A, N] f32.
     `scratch`: room for the dequantized stack (at least E * N * K elements of x's type)."""
     A = experts.count
-    order, counts, starts, pstarts = sort_by_expert(experts.ids, w.experts, block_m)
+    order, counts, starts, pstarts = sorted_runs(experts, w.experts, block_m)
     size = w.experts * w.n * w.k
     buf = scratch[:size].view(w.experts, w.n, w.k) if scratch is not None and scratch.numel() >= size else None
     dense = dequantize_dense(w, out=buf, dtype=x.dtype, counts=counts)

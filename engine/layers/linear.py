@@ -66,9 +66,9 @@ class QuantMethod:
         raise NotImplementedError
 
     def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
-                      q8_1: tuple | None = None) -> torch.Tensor:
+                      q8_1: tuple | None = None, sorts: dict | None = None) -> torch.Tensor:
         """y[a] = W[ids[a]] x[a // x_div] for each assignment a: [A, N] f32; q8_1: x's q8_1 copy where
-        experts_want_q8_1."""
+        experts_want_q8_1; sorts: a memo the launches of one step's `ids` share (moe.sorted_runs)."""
         raise NotImplementedError
 
     def experts_want_q8_1(self, layer, tokens: int) -> bool:
@@ -105,7 +105,7 @@ class ReferenceMethod(QuantMethod):
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
     def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
-                      q8_1: tuple | None = None) -> torch.Tensor:
+                      q8_1: tuple | None = None, sorts: dict | None = None) -> torch.Tensor:
         y = torch.empty(ids.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
         for e in ids.unique().tolist():  # the experts in use, each over all its assignments
             sel = (ids == e).nonzero()[:, 0]
@@ -286,11 +286,11 @@ class TritonMethod(QuantMethod):
                 self.expert_scratch = torch.empty(e * rows * k, dtype=self.gemm_dtype, device=layer.device)
 
     def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
-                      q8_1: tuple | None = None) -> torch.Tensor:
+                      q8_1: tuple | None = None, sorts: dict | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.moe import Experts, expert_matmul
         from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
-        experts = Experts(ids, x_div)
+        experts = Experts(ids, x_div, sorts)
         grouped = not self._decode(tokens)
         if not grouped and q8_1 is None and any(c.kernel.int8 for c in layer.tuned):
             q8_1 = quantize_q8_1(x)  # once for every int8 stack of the layer

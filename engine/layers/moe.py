@@ -49,11 +49,12 @@ class ExpertLinear(nn.Module):
             self.bias = torch.cat([b.float() for b in biases], dim=1).to(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int, add_bias: bool = True,
-                q8_1=None) -> torch.Tensor:
+                q8_1=None, sorts: dict | None = None) -> torch.Tensor:
         """x [R, K], ids [A] (the expert of each assignment, int64), x_div: assignments a row of x serves,
         tokens: the step's tokens (which path the quant method takes) -> [A, N] f32; q8_1: x's q8_1 copy
-        where wants_q8_1; add_bias False: the caller adds the experts' biases itself."""
-        y = self.method.apply_experts(self, x, ids, x_div, tokens, q8_1)
+        where wants_q8_1; add_bias False: the caller adds the experts' biases itself; sorts: a memo shared by
+        the calls on one step's `ids` (the assignments sorted by expert once, moe.sorted_runs)."""
+        y = self.method.apply_experts(self, x, ids, x_div, tokens, q8_1, sorts)
         return y if self.bias is None or not add_bias else y + self.bias[ids]
 
     def wants_q8_1(self, tokens: int) -> bool:
@@ -218,11 +219,12 @@ class MoE(nn.Module):
         weights, ids, *logit = moe_ops.router(x, self.router, self.router_bias, cfg.used, cfg.gating == "softmax",
                                               cfg.norm_topk, self.router_tickets, shared_gate=gate)
         k, a = ids.shape[1], ids.reshape(-1)
-        gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq)
+        sorts: dict = {}  # gate/up's and down's grouped launches sort the assignments once
+        gate_up = self.gate_up(x, a, k, T, add_bias=False, q8_1=xq, sorts=sorts)
         want = self.down.wants_q8_1(T)
         h = moe_ops.expert_act(gate_up, cfg.act == "swiglu_oai", cfg.alpha, cfg.limit, self.gate_up.bias, a, want)
         h, hq = h if want else (h, None)
-        y = self.down(h, a, 1, T, add_bias=False, q8_1=hq)
+        y = self.down(h, a, 1, T, add_bias=False, q8_1=hq, sorts=sorts)
         if not (has_shared and self.shared_scale):
             return moe_ops.ExpertSum(y, weights, ids, self.down.bias)
         shared = self.shared_down(*silu_mul_q8_1(self.shared_gate_up(x), self.shared_down.wants_q8_1(T)))

@@ -264,3 +264,37 @@ def test_a_prompts_experts_take_the_quantized_gemm_while_their_share_stays_below
         assert ran == [path], tokens
         ref = moe.reference_expert_matmul(x.cpu(), _cpu(layer.packed[0]), moe.Experts(ids, 2))
         assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, tokens
+
+
+def test_the_expert_launches_of_one_step_share_one_sort_of_its_assignments(tmp_path, monkeypatch):
+    """Two expert stacks over one step's assignments (a layer's gate/up and down) with one memo: the
+    assignments are sorted by expert once, and each stack's output equals its output without the memo; for
+    the dequantized stack's path (dense_from_m 9) and the quantized GEMM's (dense_from_m 64)."""
+    from vegaserve.engine.layers.moe import ExpertLinear
+    from vegaserve.triton_kernels import moe
+
+    sorts_made: list[int] = []
+    real = moe.sort_by_expert
+    monkeypatch.setattr(moe, "sort_by_expert", lambda *a: sorts_made.append(1) or real(*a))
+    E, N, K, tokens = 4, 32, 256, 20
+    gen = torch.Generator().manual_seed(10)
+    for dense_from_m in (9, 64):
+        f = tmp_path / f"t{dense_from_m}.json"
+        f.write_text(json.dumps({"prefill": {"dense_from_m": dense_from_m}}))
+        layers = []
+        for name, k in (("ffn_gate_up_exps", K), ("ffn_down_exps", N)):
+            raw = random_blocks(IDS["Q8_0"], E * N, k // 32, gen).to(DEVICE)
+            info = TensorInfo(name, IDS["Q8_0"], "Q8_0", (E, N, k), raw.numel(), 0, 0)
+            layer = ExpertLinear(E, k, [N], TritonMethod(tuning_file=str(f), gemm_dtype=torch.float32))
+            layer.load([WeightSource(info, raw.reshape(-1), "t.gguf")], torch.device(DEVICE))
+            layers.append(layer)
+        x = torch.randn(tokens, K, generator=gen).to(DEVICE)
+        ids = torch.randint(0, E, (tokens * 2,), generator=gen).to(DEVICE)
+        alone = layers[0](x, ids, 2, tokens)
+        alone_down = layers[1](alone, ids, 1, tokens)
+        sorts_made.clear()
+        memo: dict = {}
+        shared = layers[0](x, ids, 2, tokens, sorts=memo)
+        shared_down = layers[1](shared, ids, 1, tokens, sorts=memo)
+        assert len(sorts_made) == 1, dense_from_m
+        assert torch.equal(shared, alone) and torch.equal(shared_down, alone_down), dense_from_m
