@@ -71,11 +71,14 @@ class DecodeGraphs:
     static batch, its rows past its tokens are padding that writes to the spare block, and the logits rows
     each sequence wants are gathered inside the graph. Buckets then stop where b * R would pass max_rows."""
 
+    runs_state = True  # the steps go through the recurrent state (a hybrid model's trunk): its slots are staged
+    what = "decode"
+
     def __init__(self, model: LlamaModel, cache: KVCache, max_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, rows: int = 1, max_rows: int = 0) -> None:
         if cache.k.shape[1] < cache.num_slots + block_size:
             raise ValueError("decode graphs need a spare KV block past the pool's slots")
-        state = cache.state
+        state = cache.state if self.runs_state else None
         if state is not None and state.conv.shape[1] <= state.spare_slot:
             raise ValueError("decode graphs need a spare recurrent-state slot past the pool's")
         self.model, self.cache, self.device = model, cache, device
@@ -91,10 +94,10 @@ class DecodeGraphs:
         self.max_blocks = -(-(max_model_len + R - 1) // block_size)
         self.spare_block = cache.num_slots // block_size
         self.spare_state = state.spare_slot if state is not None else -1
-        # staging layout, int32: ids [N] | positions [N] | new slots [N] | (verify: logits rows [N]) | key
-        # counts [B] | (hybrid models: state slots [B]) | tables [B, blocks]
-        sizes = [("ids", N), ("pos", N), ("slots", N), ("logit_rows", N if R > 1 else 0), ("lens", B),
-                 ("states", B if state is not None else 0), ("tables", B * self.max_blocks)]
+        # staging layout, int32: ids [N] | positions [N] | new slots [N] | (verify: logits rows [N], each
+        # token's row [N]) | key counts [B] | (hybrid models: state slots [B]) | tables [B, blocks]
+        sizes = [("ids", N), ("pos", N), ("slots", N), ("logit_rows", N if R > 1 else 0), ("packed", N if R > 1 else 0),
+                 ("lens", B), ("states", B if state is not None else 0), ("tables", B * self.max_blocks)]
         self.at: dict[str, int] = {}
         at = 0
         for name, n in sizes:
@@ -187,7 +190,7 @@ class DecodeGraphs:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        what = "decode" if self.rows_per_seq == 1 else f"verify ({self.rows_per_seq} rows a sequence)"
+        what = self.what if self.rows_per_seq == 1 else f"{self.what} ({self.rows_per_seq} rows a sequence)"
         buckets = tqdm(list(reversed(self.buckets)), desc=f"compiling and capturing {what} graphs", unit="graph",
                        disable=not show_progress, leave=False)
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -195,13 +198,12 @@ class DecodeGraphs:
                 fb = self._batch(b)
                 for _ in range(2):
                     self._widen(b)
-                    self.model.forward_lane(fb, self.cache)
+                    self._forward(fb)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self._widen(b)
-                    logits = self.model.forward_lane(fb, self.cache)
-                # (draft-mtp: the output-normed hidden states, a static buffer of the graph's too)
-                self.graphs[b] = (graph, logits, self.model.hidden if self.model.keep_hidden else None, fb.saved)
+                    logits, hidden = self._forward(fb)
+                self.graphs[b] = (graph, logits, hidden, fb.saved)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured %s graphs for batch sizes %s in %.1f s", what, ",".join(map(str, self.buckets)),
@@ -218,6 +220,15 @@ class DecodeGraphs:
             return not any(all_logits) and all(len(t) == 1 and start < self.max_model_len for _, start, t in seqs)
         return all(0 < len(t) <= self.rows_per_seq and start + len(t) <= self.max_model_len for _, start, t in seqs)
 
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph captures (and a CPU runs in its place): (the lane's logits, the hidden states a step
+        keeps (draft-mtp: the trunk's output-normed ones, a static buffer of the graph's too) or None)."""
+        return self.model.forward_lane(fb, self.cache), self.model.hidden if self.model.keep_hidden else None
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The lane's logits -> the whole vocabulary's, after the replay."""
+        return self.model.gather_logits(logits)
+
     def run(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None = None,
             state_slots: tuple[int, ...] = (), all_logits: list[bool] | None = None) -> torch.Tensor:
         """Logits f32 of a step (seqs as StepPlan.seqs), one row a sequence (decode) or the rows
@@ -227,9 +238,21 @@ class DecodeGraphs:
         state_slots: each sequence's recurrent-state slot (hybrid models)."""
         if self.spare_state >= 0 and len(state_slots) != len(seqs):
             raise ValueError(f"a hybrid model's decode step needs a state slot per sequence, got {len(state_slots)}")
-        R, B = self.rows_per_seq, self.max_batch
-        if R > 1 and input_ids is not None:
+        if self.rows_per_seq > 1 and input_ids is not None:
             raise ValueError("verify graphs take the step's tokens from the plan")
+        b, wanted = self._stage(seqs, input_ids, state_slots, all_logits)
+        logits, hidden, saved = self._replay(b, wanted, sum(len(t) for _, _, t in seqs))
+        self.model.hidden = hidden
+        if saved:  # a hybrid model's verify step: every sequence's state went through all R rows (the worker
+            # rolls each back to the rows it keeps)
+            R = self.rows_per_seq
+            self.saved_rows = SavedRows.of_layers([(slot, i * R, R) for i, slot in enumerate(state_slots)], saved)
+        return logits
+
+    def _stage(self, seqs: list[tuple[list[int], int, list[int]]], input_ids: torch.Tensor | None,
+               state_slots: tuple[int, ...], all_logits: list[bool] | None) -> tuple[int, int]:
+        """The step's inputs through the pinned staging to the device: (its bucket, the logits rows wanted)."""
+        R, B = self.rows_per_seq, self.max_batch
         S = len(seqs)
         b = next(x for x in self.buckets if x >= S)
         if self.copied is not None:
@@ -249,8 +272,8 @@ class DecodeGraphs:
                 tables[i, : len(blocks)] = blocks  # entries past a row's blocks are never read
             wanted = S
         else:
-            out_rows = self._host("logit_rows", B * R)
-            wanted = 0
+            out_rows, packed = self._host("logit_rows", B * R), self._host("packed", B * R)
+            wanted = done = 0
             last = self.max_model_len - 1
             for i, ((blocks, start, tokens), every) in enumerate(zip(seqs, all_logits or [False] * S, strict=True)):
                 n, r0 = len(tokens), i * R
@@ -267,6 +290,8 @@ class DecodeGraphs:
                 k = n if every else 1
                 out_rows[wanted : wanted + k] = range(r0 + n - k, r0 + n)
                 wanted += k
+                packed[done : done + n] = range(r0, r0 + n)
+                done += n
             out_rows[wanted:] = 0  # the graph gathers the whole bucket's entries: the unused ones a row it has
         self._pad(S, B)
         # the vectors whole, then the bucket's rows of the tables
@@ -274,20 +299,60 @@ class DecodeGraphs:
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
         if input_ids is not None:
             self.staged[:S].copy_(input_ids)
-        if self.copied is None:  # not captured (a CPU, in tests): the same static batch, run eagerly
+        return b, wanted
+
+    def _packed(self, rows: int) -> torch.Tensor:
+        """rows > 1 a sequence: the static batch's row of each of the step's tokens, in order (device, int64)."""
+        return self._staged("packed", rows).long()
+
+    def _replay(self, b: int, wanted: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """Bucket b's graph (without one: the same static batch, run eagerly): (the logits rows wanted, the
+        hidden states kept (a verify step's: one a token, in order), the recurrent state's inputs saved)."""
+        if self.copied is None:  # not captured (a CPU, in tests)
             self._widen(b)
             fb = self._batch(b)
-            logits, hidden, saved = self.model.forward(fb, self.cache), self.model.hidden, fb.saved
+            logits, hidden = self._forward(fb)
+            saved = fb.saved
         else:
             self.copied.record()
             graph, logits, hidden, saved = self.graphs[b]
             graph.replay()
-            logits = self.model.gather_logits(logits[:wanted])
-        if hidden is not None and R > 1:  # draft-mtp reads each sequence's rows one after the other
-            hidden = hidden[torch.tensor([i * R + j for i, (_, _, t) in enumerate(seqs) for j in range(len(t))],
-                                         device=hidden.device)]
-        self.model.hidden = hidden
-        if saved:  # a hybrid model's verify step: every sequence's state went through all R rows (the worker
-            # rolls each back to the rows it keeps)
-            self.saved_rows = SavedRows.of_layers([(slot, i * R, R) for i, slot in enumerate(state_slots)], saved)
-        return logits[:wanted]
+        if hidden is not None and self.rows_per_seq > 1:
+            hidden = hidden.index_select(0, self._packed(tokens))
+        return self._gather(logits[:wanted]), hidden, saved
+
+
+class MtpGraphs(DecodeGraphs):
+    """draft-mtp's steps of the model's MTP block (models/hybrid.py NextNHead) replayed as the trunk's are:
+    rows == 1 for each further guess (one token a sequence), rows == R for a sequence's catch-up (its newest
+    token after the guesses its last step kept, the last row's logits). The hidden state each row pairs with
+    is one more static input, the block's output hidden states one more output. The block is full
+    attention: no recurrent state."""
+
+    runs_state = False
+    what = "MTP block"
+
+    def __init__(self, model: LlamaModel, head, cache: KVCache, max_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device, rows: int = 1, max_rows: int = 0) -> None:
+        super().__init__(model, cache, max_seqs, max_model_len, block_size, device, rows, max_rows)
+        self.head = head
+        self.h_in = torch.zeros(self.max_batch * rows, model.cfg.hidden_size, dtype=torch.float32, device=device)
+
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out, logits = self.head.forward_lane(self.model, self.h_in[: fb.input_ids.numel()], self.cache, fb)
+        return logits, out
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.head.gather(self.model, logits)
+
+    def run_block(self, seqs: list[tuple[list[int], int, list[int]]],
+                  h_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NextNHead.forward over seqs (each sequence's last row's logits), h_in [tokens, hidden] f32: (its
+        output hidden states, one a token in order (rows == 1: views of a graph's buffer), the logits)."""
+        b, wanted = self._stage(seqs, None, (), None)
+        if self.rows_per_seq == 1:
+            self.h_in[: len(seqs)].copy_(h_in)
+        else:
+            self.h_in.index_copy_(0, self._packed(len(h_in)), h_in)
+        logits, out, _ = self._replay(b, wanted, len(h_in))
+        return out[: len(h_in)], logits

@@ -91,7 +91,7 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0,
                          state_slots=cfg.scheduler.max_num_seqs, state_backups=cfg.speculative.enabled)
     if graphs:
-        from vegaserve.engine.cuda_graphs import DecodeGraphs, graph_buckets
+        from vegaserve.engine.cuda_graphs import DecodeGraphs, MtpGraphs, graph_buckets
 
         seqs = cfg.scheduler.max_num_seqs
         worker.graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device)
@@ -101,6 +101,12 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
             worker.verify_graphs = DecodeGraphs(model, worker.cache, seqs, launch.max_model_len, bs, device, rows=rows,
                                                 max_rows=VERIFY_ROWS)
             worker.verify_graphs.capture(show_progress, pool=worker.graphs.pool)
+        if cfg.speculative.type == "draft-mtp":  # the block's further guesses, then its catch-ups
+            worker.mtp_graphs = [MtpGraphs(model, model.nextn[0], worker.cache, seqs, launch.max_model_len, bs, device,
+                                           rows=r, max_rows=VERIFY_ROWS)
+                                 for r in (1, rows) if graph_buckets(model, seqs, r, VERIFY_ROWS)]
+            for g in worker.mtp_graphs:
+                g.capture(show_progress, pool=worker.graphs.pool)
     return worker
 
 

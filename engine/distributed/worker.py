@@ -68,6 +68,7 @@ class StageWorker:
         self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0), backups=state_backups)
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor (make_worker)
         self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
+        self.mtp_graphs: list = []  # draft-mtp's MTP block steps (cuda_graphs.MtpGraphs): 1 row, then R rows a sequence
         self.saved: SavedRows | None = None  # hybrid models: the last verify step's rows, for a roll back
         self.pending: list[tuple[int, int]] = []  # roll backs this rank owes the next step (a replayed verify step)
         self.staging = HostStaging(device)
@@ -144,6 +145,9 @@ class StageWorker:
         """The model's MTP block over plan (every rank of a tensor-parallel group alike): (its output hidden
         states [rows, hidden], the logits of each sequence's last row, the whole vocabulary)."""
         step = plan.step
+        for graphs in self.mtp_graphs:
+            if graphs.fits(step.seqs, step.all_logits):
+                return graphs.run_block(step.seqs, h_in)
         fb = ForwardBatch.build(self.slots_of(step), step.all_logits, self.device, step.block_size, self.mtp_staging)
         return self.model.nextn[0](self.model, h_in, self.cache, fb)
 

@@ -179,16 +179,24 @@ class NextNHead(nn.Module):
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """batch's tokens, h_in [T, hidden] (the hidden state each row pairs with) -> (its output hidden
         state [T, hidden], normed, and the logits [len(batch.logits_rows), vocab] f32)."""
+        out, logits = self.forward_lane(model, h_in, cache, batch)
+        return out, self.gather(model, logits)
+
+    def forward_lane(self, model: HybridModel, h_in: torch.Tensor, cache: KVCache,
+                     batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward up to this lane's logits (`gather` completes them): what an MTP graph captures."""
         # the model's embedding and head are vocabulary slices under tensor parallelism: its own lookup and
         # gather complete them; the block's own (whole) ones need neither
         e = self.enorm(self.embed(batch.input_ids) if self.embed is not None else model.embed_tokens(batch))
         x = self.eh_proj(torch.cat([e, self.hnorm(h_in.to(e.dtype))], dim=-1))
         h, delta = self.block(x, model.rope, cache, batch)
         out = (self.head_norm if self.head_norm is not None else model.norm)(add_delta(h, delta))
-        last = out[batch.logits_rows]
-        if self.head is not None:
-            return out, self.head(last).float()
-        return out, model.gather_logits(model.lm_head(last).float())
+        head = self.head if self.head is not None else model.lm_head
+        return out, head(out[batch.logits_rows]).float()
+
+    def gather(self, model: HybridModel, logits: torch.Tensor) -> torch.Tensor:
+        """A lane's logits -> the whole vocabulary's (the block's own head is whole already)."""
+        return logits if self.head is not None else model.gather_logits(logits)
 
 
 class HybridModel(LlamaModel):

@@ -669,6 +669,50 @@ def test_the_mtp_blocks_first_guess_pairs_each_token_with_the_hidden_state_befor
     assert int(first.argmax()) == int(whole[-1].argmax())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton attention "
+                    "kernels, which only the interpreter takes; on a GPU the draft-mtp test above replays them")
+@pytest.mark.parametrize("rows, counts", [(1, [1, 1, 1]), (3, [3, 1, 2])])
+def test_an_mtp_graphs_static_batch_equals_the_eager_mtp_step(converted, rows, counts):
+    """engine/cuda_graphs.py's MtpGraphs (not captured on a CPU: the same staging run eagerly): three
+    sequences in a bucket of four, each bringing `counts` tokens (rows 3: a catch-up of 1 to 3 tokens, its
+    hidden states scattered to the sequences' rows) after a prompt whose MTP KV is written. The output
+    hidden states (one a token, in order), the last rows' logits and the MTP layer's KV equal the eager
+    step's; padded rows write to the spare block only (a poison of 1e3 would show)."""
+    from vegaserve.engine.cuda_graphs import MtpGraphs
+    from vegaserve.engine.forward_batch import MtpPlan
+    from vegaserve.engine.layers.attention import KVCache
+
+    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    worker = core.runner.executor.worker
+    model, cache, bs = worker.model, worker.cache, core.pool.block_size
+    hidden = model.cfg.hidden_size
+    gen = torch.Generator().manual_seed(rows)
+    lengths = [5, 17, 2]
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [core.pool.allocate(-(-(n + c) // bs)) for n, c in zip(lengths, counts, strict=True)]
+    first = StepPlan([(b, 0, p) for b, p in zip(blocks, prompts, strict=True)], [False] * 3, bs)
+    worker.run_mtp(MtpPlan(first, sum(lengths)), torch.randn(sum(lengths), hidden, generator=gen))
+    plan = StepPlan([(b, n, torch.randint(0, 320, (c,), generator=gen).tolist())
+                     for b, n, c in zip(blocks, lengths, counts, strict=True)], [False] * 3, bs)
+    h_in = torch.randn(sum(counts), hidden, generator=gen)
+    spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
+                    cache.k.device, spare=bs)
+    for mine, theirs in ((spare.k, cache.k), (spare.v, cache.v)):
+        mine[:, : cache.num_slots] = theirs
+        mine[:, cache.num_slots :] = 1e3
+    graphs = MtpGraphs(model, model.nextn[0], spare, 4, core.max_model_len, bs, torch.device("cpu"), rows=rows)
+    assert graphs.fits(plan.seqs, plan.all_logits)
+    out, logits = (t.clone() for t in graphs.run_block(plan.seqs, h_in))
+    want_out, want_logits = worker.run_mtp(MtpPlan(plan, len(h_in)), h_in)
+    assert out.shape == want_out.shape == (sum(counts), hidden) and logits.shape == want_logits.shape == (3, 320)
+    assert converted.rel(out, want_out) < 1e-5 and converted.rel(logits, want_logits) < 1e-5
+    assert converted.rel(spare.k[:, : cache.num_slots], cache.k) < 1e-6
+    assert converted.rel(spare.v[:, : cache.num_slots], cache.v) < 1e-6
+    assert bool((spare.k[:, cache.num_slots :] != 1e3).any())  # the bucket's fourth sequence is padding
+    for b in blocks:
+        core.pool.free(b)
+
+
 def test_the_mtp_block_reads_its_tensors_in_llama_cpps_order(converted):
     """NextNHead.forward against its tensors read straight from the GGUF, composed as llama.cpp's qwen35 MTP
     graph: x = eh_proj [enorm(embed(token)); hnorm(h)] (the token's half first), the block, then
