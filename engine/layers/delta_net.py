@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from vegaserve.engine.forward_batch import ForwardBatch
+from vegaserve.engine.forward_batch import ForwardBatch, HostStaging
 from vegaserve.engine.layers.linear import QuantLinear, QuantMethod
 from vegaserve.engine.layers.norm import Q8_1
 from vegaserve.engine.models.hybrid_config import HybridConfig
@@ -49,6 +50,8 @@ class RecurrentState:
         self.slots = slots
         self.backups = backups
         self.tiled = cfg.tiled
+        # back_up's and roll_back's slot and row numbers, each call's in one copy that does not wait on the GPU
+        self._staging = (HostStaging(device), HostStaging(device))
 
     @property
     def spare_slot(self) -> int:
@@ -63,13 +66,13 @@ class RecurrentState:
         sequence at its first token: no state before it) backs up zeros, whatever its slot holds."""
         if not self.backups:
             raise ValueError("this recurrent state keeps no backups (speculative decoding is off)")
-        own = torch.tensor(slots, device=self.conv.device)
-        self.conv[:, own + self.slots] = self.conv[:, own]
-        self.ssm[:, own + self.slots] = self.ssm[:, own]
-        if fresh is not None and any(fresh):
-            zero = torch.tensor([s for s, f in zip(slots, fresh, strict=True) if f], device=self.conv.device)
-            self.conv[:, zero + self.slots] = 0.0
-            self.ssm[:, zero + self.slots] = 0.0
+        zeros = [s + self.slots for s, f in zip(slots, fresh or [False] * len(slots), strict=True) if f]
+        own, backup, zero = self._staging[0].upload([slots, np.asarray(slots) + self.slots, zeros])
+        self.conv[:, backup] = self.conv[:, own]
+        self.ssm[:, backup] = self.ssm[:, own]
+        if zeros:
+            self.conv[:, zero] = 0.0
+            self.ssm[:, zero] = 0.0
 
     def roll_back(self, saved: SavedRows, keep: list[tuple[int, int]], kernel: bool | None = None) -> None:
         """After a verify step that computed rows past those kept (rejected guesses, a replayed step's
@@ -84,29 +87,29 @@ class RecurrentState:
             raise ValueError(f"roll back {keep}: the last verify step kept rows of {saved.seqs}")
         L, K1 = self.conv.shape[0], self.conv.shape[2]
         dev = self.conv.device
-        own = torch.tensor(slots, device=dev)
         # the conv rows: index into [backups of the slots (K - 1 rows each); the saved rows], per layer
         idx = []
         for i, (s, m) in enumerate(keep):
             at = where[s][0]
             ext = [i * K1 + j for j in range(K1)] + [len(keep) * K1 + at + r for r in range(m)]
             idx.extend(ext[len(ext) - K1 :])
-        src = torch.cat([self.conv[:, own + self.slots].reshape(L, -1, self.conv.shape[3]), saved.mixed.float()], dim=1)
-        self.conv[:, own] = src[:, torch.tensor(idx, device=dev)].view(L, len(keep), K1, -1)
-        self.ssm[:, own] = self.ssm[:, own + self.slots]
-        rows = torch.tensor([where[s][0] + r for s, m in keep for r in range(m)], device=dev)
+        kept = [where[s][0] + r for s, m in keep for r in range(m)]
+        # the kernel's flat batch: every (layer, sequence) a sequence over the layers' stacked states
+        lens = np.tile([m for _, m in keep], L)
+        lanes = (np.arange(L)[:, None] * self.ssm.shape[1] + np.asarray(slots)[None, :]).reshape(-1)
+        own, backup, idx, rows, lanes, qstart = self._staging[1].upload(
+            [slots, np.asarray(slots) + self.slots, idx, kept, lanes, np.concatenate([[0], np.cumsum(lens)])])
+        src = torch.cat([self.conv[:, backup].reshape(L, -1, self.conv.shape[3]), saved.mixed.float()], dim=1)
+        self.conv[:, own] = src[:, idx].view(L, len(keep), K1, -1)
+        self.ssm[:, own] = self.ssm[:, backup]
         k, v, g, beta = (t[:, rows] for t in (saved.k, saved.v, saved.g, saved.beta))  # [L, rows, ...]
         if kernel if kernel is not None else dev.type == "cuda":
             from vegaserve.triton_kernels.delta_rule import delta_rule_recurrent
 
-            # every (layer, sequence) a sequence of the kernel's flat batch over the layers' stacked states
-            n_slots = self.ssm.shape[1]
             flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
-            lanes = (torch.arange(L, device=dev)[:, None] * n_slots + own[None, :]).flatten().to(torch.int32)
-            lens = torch.tensor([m for _, m in keep], device=dev).repeat(L)
-            qstart = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+            lanes = lanes.to(torch.int32)
             delta_rule_recurrent(flat(k), flat(k), flat(v), flat(g), flat(beta), self.ssm.view(-1, *self.ssm.shape[2:]),
-                                 lanes, torch.ones_like(lanes), qstart, self.tiled)
+                                 lanes, torch.ones_like(lanes), qstart.to(torch.int32), self.tiled)
             return
         at = 0
         for s, m in keep:
