@@ -252,13 +252,13 @@ class MtpProposer:
         while live:
             h = torch.stack(h_in)
             out, logits = self.executor.forward_mtp(MtpPlan(StepPlan(seqs, [False] * len(seqs), bs), len(h)), h)
-            ids = logits.argmax(dim=-1).tolist()
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            # each row's guess, -1 where its logits are not all finite: one read from the device
+            ids = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).tolist()
             last = list(itertools.accumulate(len(t) for _, _, t in seqs))  # each sequence's last row, + 1
             seqs, h_in, nxt = [], [], []
             step += 1
-            for (i, r, start), tok, ok, end in zip(live, ids, finite, last, strict=True):
-                if not ok:  # the fail-safe: dropped whole
+            for (i, r, start), tok, end in zip(live, ids, last, strict=True):
+                if tok < 0:  # the fail-safe: dropped whole
                     drafts[i] = []
                     continue
                 drafts[i].append(tok)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -468,3 +469,41 @@ def test_replayed_verify_graphs_equal_eager_verify_steps_on_gpu(gguf_factory, tm
     proposer.close()
     assert core.pool.num_referenced == 0
     core.close()
+
+
+# -- the MTP proposer's bookkeeping, on a fake block -------------------------------------------------------
+class _MtpBlock:
+    """A fake MTP block: each row's output hidden state is its input + 1, a sequence's logits the table's
+    row of its last token; records each step's (start, tokens) per sequence."""
+
+    def __init__(self, table: torch.Tensor, hidden: int) -> None:
+        self.table = table
+        model = SimpleNamespace(cfg=SimpleNamespace(hidden_size=hidden), hidden=None)
+        self.worker = SimpleNamespace(model=model, device=torch.device("cpu"))
+        self.fed: list[list[tuple[int, list[int]]]] = []
+
+    def forward_mtp(self, plan, h):
+        self.fed.append([(start, list(tokens)) for _, start, tokens in plan.step.seqs])
+        return h + 1, self.table[torch.tensor([tokens[-1] for _, _, tokens in plan.step.seqs])]
+
+
+def test_the_mtp_proposer_drafts_each_request_greedily_and_drops_one_whose_logits_are_not_finite():
+    """Two requests whose newest tokens are 1 and 0; row 0 of the block's logits holds a NaN: the first
+    request drafts 2 guesses (the table's argmax chain 1 -> 3 -> 2), the second none, in the same steps; the
+    catch-up pairs each position with the hidden state before it (zeros at position 0)."""
+    table = torch.zeros(4, 4)
+    table[1, 3] = table[3, 2] = 5.0
+    table[0, 1] = float("nan")
+    block = _MtpBlock(table, hidden=2)
+    prop = speculative.MtpProposer(block, block_size=4)
+    pool = BlockPool(8, 4)
+    reqs = [_request([2, 1], rid="a"), _request([2, 0], rid="b")]
+    for r in reqs:
+        r.table = BlockTable(pool)
+        r.table.append_slots(4)
+        r.num_computed = 1  # position 0 computed by the target, its hidden state seen; position 1 the newest
+        prop.states[r.request_id] = speculative._MtpState(0, 0, [torch.full((2,), 7.0)])
+    assert prop.propose(reqs, [2, 2]) == [[3, 2], []]
+    # one catch-up of positions 0..1 for both, then request a's second guess alone
+    assert block.fed == [[(0, [2, 1]), (0, [2, 0])], [(2, [3])]]
+    assert prop.states["a"].done == 2 and prop.states["a"].h == []
