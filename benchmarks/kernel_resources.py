@@ -226,7 +226,8 @@ def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
     else:
         fn, type_args = matvec_mma.lanes_kernel, matvec_mma.kernel_args(tid, entry["num_warps"])
     dot = PTX_DP4A if backend == "cuda" else AMDGCN_DOT4
-    consts = dict(M=m, BLOCK_N=entry["block_n"], NB=nb, SPLIT=split, DOT=dot, CARRY=entry.get("carry", 1),
+    unit = 8 if type_args.get("XS") else 1  # IQ4_XS: its super-blocks as the kernel's blocks of 32 (matvec_int8)
+    consts = dict(M=m, BLOCK_N=entry["block_n"], NB=nb * unit, SPLIT=split, DOT=dot, CARRY=entry.get("carry", 1),
                   PDL=backend == "cuda", **type_args)
     return fn, {**consts, **_plain(fn)}, 1
 

@@ -16,6 +16,9 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
   IQ4_NL, MXFP4  d * dx * sum(v[q] * xq), v the type's 16 int8 levels (MXFP4: e2m1 doubled, d = 2^(e - 128));
         a word of 8 nibbles becomes two words of levels with byte permutes from the 16-byte table
         (int8_ops.lookup16).
+  IQ4_XS  IQ4_NL's sum over each 32-element sub-block (the same 16 quant bytes a sub-block), its scale
+        d (ls - 32) from the super-block's 8-byte head record (d, then the six scale bits of each of its
+        8 sub-blocks: 2 in the u16 scales_h, 4 in a nibble of scales_l); the launch counts blocks of 32.
   Q4_K  per 32-element sub-block s: d * sc[s] * dx[s] * sum(q * xq) - dmin * m[s] * sx[s].
   Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
@@ -78,10 +81,25 @@ def _x_words(xrow, xw, OFF: tl.constexpr):
 
 
 @triton.jit
-def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr):
-    """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale) and
-    HALVES 16-byte runs of each block."""
-    if E8M0:
+def _iq4_xs_scales(rec, NB: tl.constexpr):
+    """IQ4_XS: the scales d (ls - 32) [BLOCK_N, NB] of a tile's NB sub-blocks (whole super-blocks), rec [BLOCK_N,
+    NB] byte pointers to each one's super-block record: d (f16), scales_h (u16: sub-block i's high 2 bits
+    at bit 2i), scales_l (4 bytes: sub-block i's low 4 bits in nibble i % 2 of byte i // 2)."""
+    ib = (tl.arange(0, NB) % 8)[None, :]
+    d = tl.load(rec.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    high = tl.load((rec + 2).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+    low = tl.load(rec + 4 + ib // 2).to(tl.int32)
+    ls = ((low >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)
+    return d * (ls - 32).to(tl.float32)
+
+
+@triton.jit
+def _legacy_tile(qs, dp, HALVES: tl.constexpr, E8M0: tl.constexpr, FLAT: tl.constexpr, XS: tl.constexpr = 0):
+    """Loads of one tile of a 32-element type: the scales (f16, or E8M0 bytes as MXFP4's halved scale, or
+    IQ4_XS's from its super-blocks' records) and HALVES 16-byte runs of each block."""
+    if XS:
+        d = _iq4_xs_scales(dp, dp.shape[1])
+    elif E8M0:
         d = half_scale(tl.load(dp).to(tl.int32))
     else:
         d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -155,15 +173,16 @@ def _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, 
 def _legacy_kernel(
     xq_ptr, dx_ptr, sx_ptr, base,  # q8_1 activations (int32 words, scales, sums), weights
     part_ptr, out_ptr, count_ptr,  # store_rows': partials, y, arrival counts
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs (IQ4_XS: d, scales, qs)
     N, K, blocks_per_split,
     ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
-    FLAT: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+    FLAT: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1, XS: tl.constexpr = 0,
 ):
     """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
-    levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte)."""
+    levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte), IQ4_XS (XS: IQ4_NL's blocks, each scale from its
+    super-block's record; NB and the split whole super-blocks)."""
     pdl.let_next_start(PDL)
     if EXPERTS:  # the expert ids come from the router, which the wait covers
         pdl.wait_for_inputs(PDL)
@@ -171,25 +190,29 @@ def _legacy_kernel(
             ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
             BLOCK_N)
     rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 32, BLOCK_N, NB)
-    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS, FLAT)
+    if XS:  # each block's pointer at its super-block's record, which the tile's 8 blocks of it share
+        qs, dp = block_planes(base, o0, r0, b0, o2, r2, r64, first, NB, WORDS, FLAT)
+        dp = base + o0 + r64[:, None] * r0 + ((first + tl.arange(0, NB)) // 8)[None, :] * b0
+    else:
+        qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, first, NB, WORDS, FLAT)
     xb = first + tl.arange(0, NB)
     xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
     acc = zero_rows(M, BLOCK_N, NB)
     if CARRY:
-        tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)
+        tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)
     for it in range(0, n_iter):
         if not CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)
         pdl.wait_for_inputs(PDL)  # the first tile's loads are in flight (a no-op after the first)
         more = it + 1 < n_iter
         qs += advance(more, NB * WORDS, CARRY)
-        dp += advance(more, NB * b0, CARRY)
+        dp += advance(more, (NB // 8 if XS else NB) * b0, CARRY)
         if WORDS == 8:
             acc = _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
         else:
             acc = _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
         if CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT)  # the next tile's loads (ptxas issues them mid-loop)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)  # the next tile's loads (ptxas issues them mid-loop)
         xw += NB * 8
         xb += NB
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
@@ -390,10 +413,11 @@ def _q6_k_kernel(
 
 
 # type -> (kernel, its type's constexprs)
-_LEGACY = {"TABLE": 0, "E8M0": False}
+_LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
             T.IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
-            T.MXFP4: (_legacy_kernel, {"WORDS": 4, "TABLE": 2, "E8M0": True}),
+            T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
+            T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
             T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {})}
 TYPES = frozenset(_KERNELS)
 
@@ -405,8 +429,9 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict
 
 
 def type_args(type_id: int) -> dict[str, int]:
-    """The constexprs that say a 32-element type's words, table and scale (the lanes kernel takes them too)."""
-    return dict(_KERNELS[type_id][1])
+    """The constexprs that say a 32-element type's words, table and scale (the lanes kernel takes them too;
+    IQ4_XS's scales from records, XS, are this kernel's only)."""
+    return {key: v for key, v in _KERNELS[type_id][1].items() if key != "XS"}
 
 
 def dot_kind(device: torch.device) -> int:
@@ -451,9 +476,10 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: 
     kernel, type_args = kernel_for(w.type_id, 1 if experts is not None else M)
     part, y, counts = launch.outputs(rows, w.n, x.device, out)
     expert_args, expert_consts = launch.expert_args(w, experts)
+    unit = 8 if type_args.get("XS") else 1  # IQ4_XS: the launch's super-blocks as the kernel's blocks of 32
     kernel[launch.grid(w.n)](
-        q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split,
-        *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile,
+        q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split * unit,
+        *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile * unit,
         SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=_carry(params, x.device), **type_args, **expert_consts,
         num_warps=params["num_warps"], num_stages=1, **pdl.launch_args(x.device),
     )

@@ -19,14 +19,16 @@ from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import divisor_at_most, tile_split
 
-# type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile)
+# type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile); IQ4_XS's
+# super-blocks are 8 of IQ4_NL's blocks to the kernel (matvec_int8), which the rule treats as one
+K_QUANTS = frozenset({T.Q4_K, T.Q6_K})  # the super-block kernels: heavier tiles, fewer rows a thread above M = 1
 GEOMETRY = {T.Q8_0: (32, 1, 32), T.Q4_0: (32, 1, 16), T.IQ4_NL: (32, 1, 16), T.MXFP4: (32, 1, 16),
-            T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48)}
+            T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48), T.IQ4_XS: (256, 8, 16)}
 
 # The fixed rule (`candidates` is what a sweep decides among):
-# - groups per tile: 16 for Q4_0, 8 for the others, so a row's tile is 256-512 bytes. With 4 warps G stays
-#   below 32: Triton re-materialises an activation tensor [G, 4] of 128 elements or more through shared
-#   memory on every load.
+# - groups per tile: 16 for the 16-byte groups (Q4_0, IQ4_NL, MXFP4, IQ4_XS), 8 for the others, so a row's
+#   tile is 256-512 bytes. With 4 warps G stays below 32: Triton re-materialises an activation tensor
+#   [G, 4] of 128 elements or more through shared memory on every load.
 # - rows per thread: 4 (its activation vectors serve 4 rows); 2 for the K-quants at M > 1 (4 spilled on
 #   sm_90).
 # - 4 warps; a wave64 target (gfx906) puts twice the rows in a warp, so block_n doubles there.
@@ -38,7 +40,7 @@ _WARPS, _IN_FLIGHT = 4, 24 * 1024
 def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
     qk, _, bpg = GEOMETRY[type_id]
     groups = 16 if bpg == 16 else 8
-    rows = 2 if qk == 256 and m > 1 else 4
+    rows = 2 if type_id in K_QUANTS and m > 1 else 4
     return _config(type_id, n, k, groups, rows, _WARPS, warp_size, sm_count)
 
 
@@ -56,9 +58,9 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: i
     variants = []  # (groups, rows per thread, warps)
     if m == 1:
         variants = [(24 - groups, rows, _WARPS), (groups, rows // 2, _WARPS), (groups, rows, 2 * _WARPS)]
-        if qk == 32:
+        if type_id not in K_QUANTS:
             variants.append((groups, 2 * rows, _WARPS))
-    elif qk == 32:
+    elif type_id not in K_QUANTS:
         variants.append((groups, rows // 2, _WARPS))
     out += [_config(type_id, n, k, g, r, w, warp_size, sm_count) for g, r, w in variants if r >= 1]
     return unique(out)
