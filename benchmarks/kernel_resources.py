@@ -217,7 +217,7 @@ def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
     if kernel == "tiles":
         fn = matmul._matvec_kernel
         return fn, {**matmul.tile_constexprs(tid, m, entry["block_n"], nb), **_plain(fn)}, entry.get("num_stages", 2)
-    if kernel == "lanes" and tid in matvec_int8.TYPES - {12, 14} and nb == 1:
+    if kernel == "lanes" and tid in matvec_mma.TYPES - {12, 14} and nb == 1:
         kernel = "int8"  # a one-block tile: matvec_lanes runs the int8 kernel
     if kernel == "int8":
         fn, type_args = matvec_int8.kernel_for(tid, m)

@@ -202,6 +202,24 @@ def q6_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl
 
 
 @triton.jit
+def q3_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl.constexpr):
+    """The Q3_K tile's groups (super-block sb, half n, sub = 0 or 1) from super-block `first`: int32
+    pointers to the group's 16 qs bytes 32n + 16 sub .. and to the 16 hmask bytes 16 sub .. it shares with
+    the other half [BLOCK_N, G, 4], int32 pointers to the super-block's 12 scale bytes (3 words) and byte
+    pointers to d [BLOCK_N, G], and sb, n, sub [G]. b2 (12) and b3 stay run-time values: see block_planes."""
+    g = tl.arange(0, 4 * NB)
+    i4 = tl.arange(0, 4)
+    sb = first + g // 4
+    n = (g // 2) % 2
+    sub = g % 2
+    hm_p = word_ptrs(base, o0, r0, r64) + (sb * 8 + sub * 4)[None, :, None] + i4[None, None, :]
+    qs_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + n * 8 + sub * 4)[None, :, None] + i4[None, None, :]
+    sp = (base + o2 + r64[:, None] * r2 + (sb * b2)[None, :]).to(tl.pointer_type(tl.int32))
+    dp = base + o3 + r64[:, None] * r3 + sb[None, :] * b3
+    return hm_p, qs_p, sp, dp, sb, n, sub
+
+
+@triton.jit
 def q6_k_scales(sp, l4):
     """The four signed scales of a Q6_K group, sub-blocks 8h + l4 + 2c for c = 0..3 (sp from q6_k_groups,
     at c = 0), as int32 [BLOCK_N, G]: two aligned word loads of scale bytes 8h .. 8h + 7 instead of four

@@ -23,6 +23,8 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
   Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
+  Q3_K  per 16-element sub-block i: d * (sc[i] - 32) * dx * sum((q - 4) * xq); the three-bit code from its
+        qs pair and hmask bit, made a signed byte the same way (code + 124, bit 7 flipped).
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
 matmul.reference_matmul in float64).
 """
@@ -44,6 +46,7 @@ from vegaserve.triton_kernels.flat_words import (
     q4_k_groups,
     q4_k_scale_decode,
     q4_k_scale_words,
+    q3_k_groups,
     q6_k_groups,
     q6_k_scales,
     split4,
@@ -412,13 +415,99 @@ def _q6_k_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
+@triton.jit
+def _q3_k_tile(hm_p, qs_p, sp, dp):
+    """Loads of one Q3_K tile: d, the super-block's three scale words, the group's hmask and qs runs."""
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return d, tl.load(sp), tl.load(sp + 1), tl.load(sp + 2), tl.load(hm_p), tl.load(qs_p)
+
+
+@triton.jit
+def _q3_k_scale(a, b, c, n, sub, j: tl.constexpr):
+    """The signed scale sc - 32 of sub-block 8n + 2j + sub, int32 [BLOCK_N, G]: its low four bits in nibble
+    n of scale byte 2j + sub (words a, b: bytes 0-7), its high two at bit 4n + 2 (j // 2) of byte
+    (2j + sub) % 4 of word c (bytes 8-11)."""
+    byte = (8 * (2 * (j % 2) + sub))[None, :]
+    low = ((a if j < 2 else b) >> (byte + 4 * n[None, :])) & 15
+    high = (c >> (byte + 4 * n[None, :] + 2 * (j // 2))) & 3
+    return (low | (high << 4)) - 32
+
+
+@triton.jit
+def _q3_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, n, sub, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+               G: tl.constexpr, DOT: tl.constexpr):
+    """Group (sb, n, sub), code j = 0..3: elements 128n + 32j + 16 sub + l (l < 16), two bits at 2j of qs
+    byte 32n + 16 sub + l, the third at bit 4n + j of hmask byte 16 sub + l; q8_1 block 8 sb + 4n + j."""
+    d, a, b, c, hm_w, qs_w = tile
+    hm = split4(hm_w)
+    qs = split4(qs_w)
+    new = acc
+    for j in tl.static_range(4):
+        codes = ()
+        for i in tl.static_range(4):
+            code = ((qs[i] >> (2 * j)) & 0x03030303) | (((hm[i] >> (4 * n[None, :] + j)) & 0x01010101) << 2)
+            codes = codes + ((code + 0x7C7C7C7C) ^ -0x7F7F7F80,)  # code - 4, signed bytes
+        scale = d * _q3_k_scale(a, b, c, n, sub, j).to(tl.float32)
+        acc_j = ()
+        for m in tl.static_range(M):
+            xv = _x_words(xq_ptr + m * (K // 4), xw, 8 * j)
+            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(4):
+                s = dot4(codes[i], xv[i], s, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb + j)[None, :]
+            acc_j = acc_j + (new[m] + scale * dx * s.to(tl.float32),)
+        new = acc_j
+    return new
+
+
+@triton.jit
+def _q3_k_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): hmask, qs, scales, d
+    N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+):
+    pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    hm_p, qs_p, sp, dp, sb, n, sub = q3_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB)
+    xw = (sb * 64 + n * 32 + sub * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: code j's 16 elements
+    xb = sb * 8 + n * 4  # + j: their q8_1 block
+    acc = zero_rows(M, BLOCK_N, G)
+    if CARRY:
+        tile = _q3_k_tile(hm_p, qs_p, sp, dp)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q3_k_tile(hm_p, qs_p, sp, dp)
+        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
+        more = it + 1 < n_iter
+        acc = _q3_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, n, sub, K, M, BLOCK_N, G, DOT)
+        hm_p += advance(more, NB * 8, CARRY)
+        qs_p += advance(more, NB * 16, CARRY)
+        sp += advance(more, NB * b2 // 4, CARRY)
+        dp += advance(more, NB * b3, CARRY)
+        if CARRY:
+            tile = _q3_k_tile(hm_p, qs_p, sp, dp)  # the next tile's loads (ptxas issues them mid-loop)
+        xw += NB * 64
+        xb += NB * 8
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
 # type -> (kernel, its type's constexprs)
 _LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
             T.IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
-            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {})}
+            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {})}
 TYPES = frozenset(_KERNELS)
 
 

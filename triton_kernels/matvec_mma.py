@@ -401,7 +401,8 @@ def lanes_kernel(
     store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M, N, R, SPLIT)
 
 
-TYPES = INT8_TYPES
+# the int8 kernel's types but those whose scales it decodes from super-block records (IQ4_XS, Q3_K)
+TYPES = frozenset({T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K})
 _KIND = {T.Q4_K: Q4_K_LANES, T.Q6_K: Q6_K_LANES}
 
 

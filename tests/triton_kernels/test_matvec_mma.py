@@ -61,6 +61,19 @@ def test_lanes_kernels_leave_one_block_tiles_to_the_int8_kernel(name, k, nb, lan
     assert handed == ([] if lanes else [params])
 
 
+@pytest.mark.parametrize("name", ["IQ4_XS", "Q3_K"])
+def test_lanes_kernel_refuses_the_int8_kernels_super_block_record_types(name):
+    """IQ4_XS and Q3_K have an int8 kernel (their scales decoded from super-block records) but no lanes one:
+    refused by name, and the tuning sweep offers no lanes candidate for them."""
+    from vegaserve.triton_kernels import tune
+
+    tid = IDS[name]
+    w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(29)), tid, 16, 256)
+    with pytest.raises(ValueError, match=f"no kernel for {name}"):
+        matvec_lanes(torch.randn(2, 256), w, {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1})
+    assert {c.kernel.name for c in tune.candidates(tid, 28672, 4096, 8, 132, True)} == {"tiles", "int8"}
+
+
 def test_lanes_kernel_is_refused_on_amd_and_below_sm_80(monkeypatch):
     """gfx906 has no matrix units, and mma.sync m16n8k32 (int8) needs sm_80: the launcher says so instead of
     compiling; the interpreter (and so a CPU tensor) runs its emulation."""
