@@ -220,6 +220,20 @@ def q3_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl
 
 
 @triton.jit
+def quarter_groups(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr):
+    """A 256-element type's groups of 64 elements (super-block sb, quarter q) whose quants are 16 bytes a
+    quarter (IQ2_XXS: sub-blocks 2q and 2q + 1, 8 bytes each) from super-block `first`: int32 pointers to
+    the group's 4 quant words [BLOCK_N, G, 4], byte pointers to the super-block's f16 d [BLOCK_N, G], and
+    sb, q [G]. b_d stays a run-time value: see block_planes."""
+    g = tl.arange(0, 4 * NB)
+    sb = first + g // 4
+    q = g % 4
+    qs_p = word_ptrs(base, o_q, r_q, r64) + (sb * 16 + q * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    dp = base + o_d + r64[:, None] * r_d + sb[None, :] * b_d
+    return qs_p, dp, sb, q
+
+
+@triton.jit
 def q6_k_scales(sp, l4):
     """The four signed scales of a Q6_K group, sub-blocks 8h + l4 + 2c for c = 0..3 (sp from q6_k_groups,
     at c = 0), as int32 [BLOCK_N, G]: two aligned word loads of scale bytes 8h .. 8h + 7 instead of four

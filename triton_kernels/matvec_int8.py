@@ -25,6 +25,10 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
   Q3_K  per 16-element sub-block i: d * (sc[i] - 32) * dx * sum((q - 4) * xq); the three-bit code from its
         qs pair and hmask bit, made a signed byte the same way (code + 124, bit 7 flipped).
+  IQ2_XXS  per 32-element sub-block (words a, b): d (0.5 + s) / 4 * dx * sum(g * xq), s the top four bits of
+        b, g each group of 8's grid point (byte l of a) as two words of int8 coordinates gathered from
+        lattice.grid_words, its signs (the 7-bit index at bit 7l of b, its parity the eighth) applied as
+        (g ^ m) + (m & 1) per byte with m 0xFF where negative (-g, no carry: g >= 8).
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
 matmul.reference_matmul in float64).
 """
@@ -47,6 +51,7 @@ from vegaserve.triton_kernels.flat_words import (
     q4_k_scale_decode,
     q4_k_scale_words,
     q3_k_groups,
+    quarter_groups,
     q6_k_groups,
     q6_k_scales,
     split4,
@@ -68,6 +73,7 @@ from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
 from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
 from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
+from vegaserve.triton_kernels.quants.lattice import grid_words
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
 
 
@@ -501,13 +507,98 @@ def _q3_k_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
+@triton.jit
+def _signed_grid(tab, index, sign7):
+    """Grid points `index` and their 7-bit sign indices (int32 [BLOCK_N, G]) -> the two words of each
+    point's 8 int8 coordinates with its signs applied."""
+    p = sign7 ^ (sign7 >> 4)
+    p = p ^ (p >> 2)
+    sign = sign7 | (((p ^ (p >> 1)) & 1) << 7)  # bit 7: the parity, an even number of signs
+    out = ()
+    for w in tl.static_range(2):
+        g = tl.load(tab + 2 * index + w)
+        one = (((sign >> (4 * w)) & 15) * 0x00204081) & 0x01010101  # bit i of the nibble -> bit 0 of byte i
+        out = out + ((g ^ (one * 255)) + one,)
+    return out
+
+
+@triton.jit
+def _iq2_xxs_dots(tile, acc, tab, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  G: tl.constexpr, DOT: tl.constexpr):
+    """Group (sb, q): sub-blocks 2q + h (h = 0, 1), words a, b each; elements 64q + 32h + 8l + j of group
+    l's point (byte l of a) and signs (bits 7l of b); q8_1 block 8 sb + 2q + h."""
+    d, qs_w = tile
+    words = split4(qs_w)
+    new = acc
+    for h in tl.static_range(2):
+        a, b = words[2 * h], words[2 * h + 1]
+        scale = d * (0.5 + ((b >> 28) & 15).to(tl.float32)) * 0.25
+        vals = ()
+        for grp in tl.static_range(4):
+            vals = vals + _signed_grid(tab, (a >> (8 * grp)) & 255, (b >> (7 * grp)) & 127)
+        acc_h = ()
+        for m in tl.static_range(M):
+            xrow = xq_ptr + m * (K // 4)
+            xv = _x_words(xrow, xw, 8 * h) + _x_words(xrow, xw, 8 * h + 4)
+            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(8):
+                s = dot4(vals[i], xv[i], s, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb + h)[None, :]
+            acc_h = acc_h + (new[m] + scale * dx * s.to(tl.float32),)
+        new = acc_h
+    return new
+
+
+@triton.jit
+def _iq2_xxs_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
+    N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+    tab_ptr=None,  # lattice.grid_words: the grid's points as int8 coordinates
+):
+    pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    qs_p, dp, sb, q = quarter_groups(base, o0, r0, b0, o1, r1, r64, first, NB)
+    xw = (sb * 64 + q * 16)[:, None] + tl.arange(0, 4)[None, :]  # + 8h: sub-block 2q + h's 8 words
+    xb = sb * 8 + q * 2  # + h: its q8_1 block
+    acc = zero_rows(M, BLOCK_N, G)
+    if CARRY:
+        tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
+        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
+        more = it + 1 < n_iter
+        acc = _iq2_xxs_dots(tile, acc, tab_ptr, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
+        qs_p += advance(more, NB * 16, CARRY)
+        dp += advance(more, NB * b0, CARRY)
+        if CARRY:  # the next tile's loads (ptxas issues them mid-loop)
+            tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
+        xw += NB * 64
+        xb += NB * 8
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
 # type -> (kernel, its type's constexprs)
 _LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
             T.IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
-            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {})}
+            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {}),
+            T.IQ2_XXS: (_iq2_xxs_kernel, {})}
+# the types whose kernel gathers a lattice's points (lattice.grid_words)
+_LATTICE = {T.IQ2_XXS: "IQ2_XXS"}
 TYPES = frozenset(_KERNELS)
 
 
@@ -566,10 +657,11 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: 
     part, y, counts = launch.outputs(rows, w.n, x.device, out)
     expert_args, expert_consts = launch.expert_args(w, experts)
     unit = 8 if type_args.get("XS") else 1  # IQ4_XS: the launch's super-blocks as the kernel's blocks of 32
+    table = {"tab_ptr": grid_words(_LATTICE[w.type_id], x.device)} if w.type_id in _LATTICE else {}
     kernel[launch.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split * unit,
         *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile * unit,
         SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=_carry(params, x.device), **type_args, **expert_consts,
-        num_warps=params["num_warps"], num_stages=1, **pdl.launch_args(x.device),
+        num_warps=params["num_warps"], num_stages=1, **table, **pdl.launch_args(x.device),
     )
     return y

@@ -50,6 +50,14 @@ def grid(name: str, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)[index].reshape(points, width).to(device)
 
 
+@lru_cache(maxsize=32)
+def grid_words(name: str, device: torch.device) -> torch.Tensor:
+    """The grid points as int8 coordinates, 4 to an int32 word (coordinate j in byte j % 4 of word
+    WIDTH / 4 * point + j // 4), on `device`: what the int8 mat-vec gathers (made once per device)."""
+    points = grid(name, torch.device("cpu"))
+    return points.to(torch.int8).reshape(-1).view(torch.int32).to(device)
+
+
 def sign_bytes(index: torch.Tensor) -> torch.Tensor:
     """7-bit sign indices (any integer dtype) -> the sign bytes, int32: bit 7 the parity of the other seven."""
     i = index.to(torch.int32) & 127
