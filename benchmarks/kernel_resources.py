@@ -52,6 +52,8 @@ POINTERS = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8
             "out_ptr": "*fp32", "count_ptr": "*i32"}
 # a plain (not expert) launch: no expert column (EXPERTS 0 leaves these two unused), no lattice table
 LAUNCH_DEFAULTS = {"ids_ptr": None, "expert_bytes": 0, "tab_ptr": None}
+# the kernels that always read a lattice table (matvec_int8's IQ2_XXS: lattice.grid_words' int32 words)
+TABLE_POINTERS = {"_iq2_xxs_kernel": "*i32"}
 ACTIVATIONS = {"cuda": "*bf16", "hip": "*fp16"}  # the tile kernel's x: the model's activation type there
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 # the device the rule sizes grids for: compute units, warp size
@@ -66,10 +68,11 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GP
     on it (a plane's row stride a multiple of 16 lets a run of int32 words load 16 bytes at a time). An
     integer not in `ints` is a plain i32."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    table = TABLE_POINTERS.get(fn.__name__)
     for name, value in LAUNCH_DEFAULTS.items():
-        if name in fn.arg_names and name not in consts and name not in (ints or {}):
+        if name in fn.arg_names and name not in consts and name not in (ints or {}) and not (table and name == "tab_ptr"):
             consts[name] = value
-    types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend]}
+    types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend], **({"tab_ptr": table} if table else {})}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
