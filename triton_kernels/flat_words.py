@@ -220,6 +220,22 @@ def q3_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB: tl
 
 
 @triton.jit
+def q2_k_groups(base, o0, r0, b0, o1, r1, o2, r2, b2, r64, first, NB: tl.constexpr):
+    """The Q2_K tile's groups (super-block sb, half n, sub = 0 or 1) from super-block `first`: int32
+    pointers to the group's 16 qs bytes 32n + 16 sub .. [BLOCK_N, G, 4] and to scale bytes 8n .. 8n + 7 (2
+    words), byte pointers to d (f16; dmin at + 2) [BLOCK_N, G], and sb, n, sub [G]. b0 (16) and b2 stay
+    run-time values: see block_planes."""
+    g = tl.arange(0, 4 * NB)
+    sb = first + g // 4
+    n = (g // 2) % 2
+    sub = g % 2
+    qs_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + n * 8 + sub * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    sp = (base + o0 + r64[:, None] * r0 + (sb * b0 + n * 8)[None, :]).to(tl.pointer_type(tl.int32))
+    dm = base + o2 + r64[:, None] * r2 + sb[None, :] * b2
+    return qs_p, sp, dm, sb, n, sub
+
+
+@triton.jit
 def quarter_groups(base, o_d, r_d, b_d, o_q, r_q, r64, first, NB: tl.constexpr):
     """A 256-element type's groups of 64 elements (super-block sb, quarter q) whose quants are 16 bytes a
     quarter (IQ2_XXS: sub-blocks 2q and 2q + 1, 8 bytes each) from super-block `first`: int32 pointers to

@@ -25,6 +25,8 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
   Q3_K  per 16-element sub-block i: d * (sc[i] - 32) * dx * sum((q - 4) * xq); the three-bit code from its
         qs pair and hmask bit, made a signed byte the same way (code + 124, bit 7 flipped).
+  Q2_K  per 16-element sub-block i: d * sc[i] * dx * sum(q * xq) - dmin * m[i] * dx * sum(xq), the two-bit
+        codes as Q3_K's low bits, the sums of xq over 16 a dot4 against ones (q8_1's sums cover 32).
   IQ2_XXS  per 32-element sub-block (words a, b): d (0.5 + s) / 4 * dx * sum(g * xq), s the top four bits of
         b, g each group of 8's grid point (byte l of a) as two words of int8 coordinates gathered from
         lattice.grid_words, its signs (the 7-bit index at bit 7l of b, its parity the eighth) applied as
@@ -50,6 +52,7 @@ from vegaserve.triton_kernels.flat_words import (
     q4_k_groups,
     q4_k_scale_decode,
     q4_k_scale_words,
+    q2_k_groups,
     q3_k_groups,
     quarter_groups,
     q6_k_groups,
@@ -508,6 +511,84 @@ def _q3_k_kernel(
 
 
 @triton.jit
+def _q2_k_tile(qs_p, sp, dm):
+    """Loads of one Q2_K tile: d, dmin, the group's two scale words and its qs run."""
+    d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return d, dmin, tl.load(sp), tl.load(sp + 1), tl.load(qs_p)
+
+
+@triton.jit
+def _q2_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, sub, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+               G: tl.constexpr, DOT: tl.constexpr):
+    """Group (sb, n, sub), code j = 0..3: elements 128n + 32j + 16 sub + l (l < 16), two bits at 2j of qs
+    byte 32n + 16 sub + l; scale byte 8n + 2j + sub (scale low nibble, min high); q8_1 block 8 sb + 4n + j."""
+    d, dmin, s0, s1, qs_w = tile
+    qs = split4(qs_w)
+    ones = tl.full([BLOCK_N, G], 0x01010101, tl.int32)
+    new = acc
+    for j in tl.static_range(4):
+        byte = ((s0 if j < 2 else s1) >> (8 * (2 * (j % 2) + sub))[None, :]) & 255
+        scale = d * (byte & 15).to(tl.float32)
+        least = dmin * (byte >> 4).to(tl.float32)
+        codes = ()
+        for i in tl.static_range(4):
+            codes = codes + ((qs[i] >> (2 * j)) & 0x03030303,)
+        acc_j = ()
+        for m in tl.static_range(M):
+            xv = _x_words(xq_ptr + m * (K // 4), xw, 8 * j)
+            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            sx = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(4):
+                s = dot4(codes[i], xv[i], s, DOT)
+                sx = dot4(ones, xv[i], sx, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb + j)[None, :]
+            acc_j = acc_j + (new[m] + dx * (scale * s.to(tl.float32) - least * sx.to(tl.float32)),)
+        new = acc_j
+    return new
+
+
+@triton.jit
+def _q2_k_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): scales, qs, dm
+    N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+):
+    pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    qs_p, sp, dm, sb, n, sub = q2_k_groups(base, o0, r0, b0, o1, r1, o2, r2, b2, r64, first, NB)
+    xw = (sb * 64 + n * 32 + sub * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: code j's 16 elements
+    xb = sb * 8 + n * 4  # + j: their q8_1 block
+    acc = zero_rows(M, BLOCK_N, G)
+    if CARRY:
+        tile = _q2_k_tile(qs_p, sp, dm)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _q2_k_tile(qs_p, sp, dm)
+        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
+        more = it + 1 < n_iter
+        acc = _q2_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, sub, K, M, BLOCK_N, G, DOT)
+        qs_p += advance(more, NB * 16, CARRY)
+        sp += advance(more, NB * b0 // 4, CARRY)
+        dm += advance(more, NB * b2, CARRY)
+        if CARRY:
+            tile = _q2_k_tile(qs_p, sp, dm)  # the next tile's loads (ptxas issues them mid-loop)
+        xw += NB * 64
+        xb += NB * 8
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
+@triton.jit
 def _signed_grid(tab, index, sign7):
     """Grid points `index` and their 7-bit sign indices (int32 [BLOCK_N, G]) -> the two words of each
     point's 8 int8 coordinates with its signs applied."""
@@ -596,7 +677,7 @@ _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
             T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {}),
-            T.IQ2_XXS: (_iq2_xxs_kernel, {})}
+            T.IQ2_XXS: (_iq2_xxs_kernel, {}), T.Q2_K: (_q2_k_kernel, {})}
 # the types whose kernel gathers a lattice's points (lattice.grid_words)
 _LATTICE = {T.IQ2_XXS: "IQ2_XXS"}
 TYPES = frozenset(_KERNELS)
