@@ -97,16 +97,19 @@ def test_every_new_type_is_served_by_the_tiles_kernel():
 
 
 @pytest.mark.parametrize("target", ["cuda_sm90", "hip_gfx906", "cpu"])
-def test_the_tuning_files_fall_back_to_the_tiles_kernel_for_every_new_type(target):
-    """No tuning file names these types: each backend's fallback rule picks the tiles kernel, at every row
-    count and in both layouts."""
+def test_the_tuning_files_give_the_new_types_the_tiles_kernel_but_where_the_sm90_file_names_int8(target):
+    """The sm_90 file names the int8 kernel for Q2_K, Q3_K, IQ4_XS and IQ2_XXS in the repacked layout (the
+    only one it reads); every other new type, the canonical layout and the other targets take the backend's
+    fallback, the tiles kernel, at every row count."""
     tuning = load_tuning(target)
+    int8 = {"Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS"} if target == "cuda_sm90" else set()
     for name in TYPES:
         tid = TYPE_IDS[name]
         raw = torch.zeros(N, 16 * GGML_TYPES[tid].type_size, dtype=torch.uint8)
         for layout in (repack, canonical):
             w = layout(raw, tid, N, 16 * 256)
-            assert {choose(w, m, tuning).kernel.name for m in range(1, 9)} == {"tiles"}, (target, name)
+            want = "int8" if name in int8 and layout is repack else "tiles"
+            assert {choose(w, m, tuning).kernel.name for m in range(1, 9)} == {want}, (target, name, layout)
 
 
 LLAMA_QUANTIZE = Path(__file__).resolve().parents[1] / "data" / "llama_quantize" / "blocks.gguf"
