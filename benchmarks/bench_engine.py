@@ -28,6 +28,7 @@ from vegaserve.engine.env import config_from_env
 from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.server.bench_cmd import _timed_request
+from vegaserve.triton_kernels import pdl
 
 
 def decode_round(core: EngineCore, streams: int, prompt: int, gen: int, g: torch.Generator,
@@ -86,6 +87,7 @@ def step_profile(core: EngineCore, steps: int, g: torch.Generator, host_table: s
         core.step()
     if host_table:
         with open(host_table, "w") as f:
+            f.write(pdl.PROFILE_NOTE if pdl.enabled(torch.device("cuda")) else "")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             f.write("\n")
             f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
@@ -178,6 +180,7 @@ def main() -> None:
                 _timed_request(core, args.pp, 1, g)
                 torch.cuda.synchronize()
             with open(args.pp_table, "w") as f:
+                f.write(pdl.PROFILE_NOTE if pdl.enabled(torch.device("cuda")) else "")
                 f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
     if core.spec is not None:
         st = core.stats()

@@ -34,6 +34,7 @@ from vegaserve.engine.config import EngineConfig, merge_trees
 from vegaserve.engine.engine_core import EngineCore
 from vegaserve.engine.env import config_from_env
 from vegaserve.engine.forward_batch import StepPlan
+from vegaserve.triton_kernels import pdl
 
 
 def step_ms(worker, plan: StepPlan, steps: int, rounds: int) -> float:
@@ -108,6 +109,7 @@ def main() -> None:
         result[f"s{s}"] = {"decode_ms": d, "verify_ms": v, "verify_eager_ms": e}
         if args.kernel_table and s == streams[0]:
             with open(args.kernel_table, "w") as f:
+                f.write(pdl.PROFILE_NOTE if pdl.enabled(worker.device) else "")
                 for name, plan in (("decode", decode), ("verify", verify)):
                     f.write(f"{name} step, {s} streams, {args.steps} steps\n{kernel_table(worker, plan, args.steps)}\n")
     print(json.dumps(result))

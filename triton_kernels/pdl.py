@@ -31,6 +31,10 @@ import triton.language as tl
 
 _on = True
 
+# the first line of a profiler's kernel table taken with PDL on (benchmarks/bench_engine.py, bench_verify.py)
+PROFILE_NOTE = ("PDL on: each kernel's device time runs from its early start, its wait for the kernel before it "
+                "included, so the times overlap and do not add up to the step (VEGASERVE_PDL=0: times that do)\n")
+
 
 def set_enabled(on: bool) -> None:
     """Launch with PDL where the device has it (the default), or never."""
