@@ -127,3 +127,25 @@ def test_blocks_written_by_llama_quantize_dequantize_exactly_in_the_tiles(layout
         assert torch.equal(dequantize_dense(w, dtype=torch.float32, block_n=16).cpu(), expected), tensor.name
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(tid))
         assert rel_err(tile_matvec(x.to(DEVICE), w, block_n=16, nb=8), x.double() @ expected.double().T) < 1e-5
+
+
+def test_blocks_written_by_llama_quantize_through_the_int8_kernels():
+    """The same real blocks through the int8 mat-vec of each new type it serves (repacked), at 1 and 3 rows:
+    the reference's product on the q8_1 activation (what the kernel multiplies), within 1e-5."""
+    from vegaserve.triton_kernels.matvec_int8 import TYPES as INT8, matvec_int8, reference_matvec_q8_1
+    from vegaserve.triton_kernels.q8_1 import quantize_q8_1
+
+    seen = set()
+    for tensor in gguf.GGUFReader(LLAMA_QUANTIZE).tensors:
+        tid, n, k = int(tensor.tensor_type), int(tensor.shape[1]), int(tensor.shape[0])
+        if tid not in INT8:
+            continue
+        seen.add(GGML_TYPES[tid].name)
+        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8))
+        w, ref_w = repack(raw.to(DEVICE), tid, n, k), repack(raw, tid, n, k)
+        for m in (1, 3):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(tid + m)).to(DEVICE)
+            q, d, s = quantize_q8_1(x)
+            y = matvec_int8(x, w, {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1}, q8_1=(q, d, s))
+            assert rel_err(y, reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)) < 1e-5, (tensor.name, m)
+    assert seen >= {"Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS"}
