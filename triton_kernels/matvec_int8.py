@@ -27,6 +27,9 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
         qs pair and hmask bit, made a signed byte the same way (code + 124, bit 7 flipped).
   Q2_K  per 16-element sub-block i: d * sc[i] * dx * sum(q * xq) - dmin * m[i] * dx * sum(xq), the two-bit
         codes as Q3_K's low bits, the sums of xq over 16 a dot4 against ones (q8_1's sums cover 32).
+  IQ3_XXS, IQ3_S  per 32-element sub-block: its scale (d (0.5 + s) / 2; d (1 + 2s)) * dx * sum(g * xq), g
+        each group of 4's grid point (IQ3_S's with a ninth bit from qh) gathered as a word of int8
+        coordinates, signed as IQ2_XXS's (IQ3_S: its sign bytes as they are, no parity).
   IQ2_XXS  per 32-element sub-block (words a, b): d (0.5 + s) / 4 * dx * sum(g * xq), s the top four bits of
         b, g each group of 8's grid point (byte l of a) as two words of int8 coordinates gathered from
         lattice.grid_words, its signs (the 7-bit index at bit 7l of b, its parity the eighth) applied as
@@ -589,18 +592,27 @@ def _q2_k_kernel(
 
 
 @triton.jit
-def _signed_grid(tab, index, sign7):
-    """Grid points `index` and their 7-bit sign indices (int32 [BLOCK_N, G]) -> the two words of each
-    point's 8 int8 coordinates with its signs applied."""
+def _sign_byte(sign7):
+    """7-bit sign indices -> sign bytes, bit 7 the parity of the other seven (an even number of signs)."""
     p = sign7 ^ (sign7 >> 4)
     p = p ^ (p >> 2)
-    sign = sign7 | (((p ^ (p >> 1)) & 1) << 7)  # bit 7: the parity, an even number of signs
-    out = ()
-    for w in tl.static_range(2):
-        g = tl.load(tab + 2 * index + w)
-        one = (((sign >> (4 * w)) & 15) * 0x00204081) & 0x01010101  # bit i of the nibble -> bit 0 of byte i
-        out = out + ((g ^ (one * 255)) + one,)
-    return out
+    return sign7 | (((p ^ (p >> 1)) & 1) << 7)
+
+
+@triton.jit
+def _signed(g, sign, NIBBLE: tl.constexpr):
+    """A word of 4 non-negative int8 coordinates with the signs of nibble NIBBLE of `sign` applied: byte i
+    negated where bit i is set, (g ^ 0xFF) + 1 (no carry out of a byte: g >= 1)."""
+    one = (((sign >> (4 * NIBBLE)) & 15) * 0x00204081) & 0x01010101  # bit i of the nibble -> bit 0 of byte i
+    return (g ^ (one * 255)) + one
+
+
+@triton.jit
+def _signed_grid(tab, index, sign7):
+    """IQ2_XXS: grid points `index` and their 7-bit sign indices (int32 [BLOCK_N, G]) -> the two words of
+    each point's 8 int8 coordinates with its signs applied."""
+    sign = _sign_byte(sign7)
+    return _signed(tl.load(tab + 2 * index), sign, 0), _signed(tl.load(tab + 2 * index + 1), sign, 1)
 
 
 @triton.jit
@@ -670,6 +682,110 @@ def _iq2_xxs_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
+@triton.jit
+def _iq3_dots(tile, acc, tab, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
+              G: tl.constexpr, DOT: tl.constexpr, S: tl.constexpr):
+    """IQ3_XXS (S 0) and IQ3_S (S 1), group (sb, q): sub-blocks 2q + h, points 16q + 8h + p (4 weights
+    each, 64q + 32h + 4p ..; point p of a sub-block is byte p % 4 of its qs word 2h + p // 4); each 8 weights'
+    signs one byte (IQ3_XXS: from the 7-bit index at bit 7(p // 2) of the sub-block's word, with its parity;
+    IQ3_S: byte 4h + p // 2 of the group's sign words), each point's low / high nibble of it; IQ3_S's
+    points take a ninth bit from qh; q8_1 block 8 sb + 2q + h."""
+    d, qs_w, aux0, aux1, qh, sc = tile
+    qs = split4(qs_w)
+    aux = (aux0, aux1)
+    new = acc
+    for h in tl.static_range(2):
+        if S:
+            scale = d * (1 + 2 * ((sc >> (4 * h)) & 15)).to(tl.float32)
+        else:
+            scale = d * (0.5 + ((aux[h] >> 28) & 15).to(tl.float32)) * 0.5
+        vals = ()
+        for p in tl.static_range(8):
+            point = (qs[2 * h + p // 4] >> (8 * (p % 4))) & 255
+            if S:
+                point = point | (((qh >> (8 * h + p)) & 1) << 8)
+                sign = aux[h] >> (8 * (p // 2))
+            else:
+                sign = _sign_byte((aux[h] >> (7 * (p // 2))) & 127)
+            vals = vals + (_signed(tl.load(tab + point), sign, p % 2),)
+        acc_h = ()
+        for m in tl.static_range(M):
+            xrow = xq_ptr + m * (K // 4)
+            xv = _x_words(xrow, xw, 8 * h) + _x_words(xrow, xw, 8 * h + 4)
+            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
+            for i in tl.static_range(8):
+                s = dot4(vals[i], xv[i], s, DOT)
+            dx = tl.load(dx_ptr + m * (K // 32) + xb + h)[None, :]
+            acc_h = acc_h + (new[m] + scale * dx * s.to(tl.float32),)
+        new = acc_h
+    return new
+
+
+@triton.jit
+def _iq3_tile(qs_p, dp, sp, hp, cp, S: tl.constexpr):
+    """Loads of one IQ3 tile: d, the group's qs run, its two sign (IQ3_XXS: scale and sign-index) words,
+    and for IQ3_S its 16 qh bits and its scale byte."""
+    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    qs, a0, a1 = tl.load(qs_p), tl.load(sp), tl.load(sp + 1)
+    if S:
+        return d, qs, a0, a1, tl.load(hp.to(tl.pointer_type(tl.uint16))).to(tl.int32), tl.load(cp).to(tl.int32)
+    return d, qs, a0, a1, a0, a0
+
+
+@triton.jit
+def _iq3_kernel(
+    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
+    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs, scales_signs / d, qs, qh, signs_scales
+    N, K, blocks_per_split,  # super-blocks of 256
+    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
+    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
+    S: tl.constexpr = 0, tab_ptr=None,  # S: IQ3_S (else IQ3_XXS); lattice.grid_words of the type
+):
+    pdl.let_next_start(PDL)
+    if EXPERTS:  # the expert ids come from the router, which the wait covers
+        pdl.wait_for_inputs(PDL)
+        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
+            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
+            BLOCK_N)
+    G: tl.constexpr = 4 * NB
+    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
+    qs_p, dp, sb, q = quarter_groups(base, o0, r0, b0, o1, r1, r64, first, NB)
+    if S:  # qh bytes 2q, 2q + 1; sign bytes 8q .. 8q + 7, then the scale byte q at 32
+        hp = base + o2 + r64[:, None] * r2 + (sb * b2 + 2 * q)[None, :]
+        sp = (base + o3 + r64[:, None] * r3 + (sb * b3 + 8 * q)[None, :]).to(tl.pointer_type(tl.int32))
+        cp = base + o3 + r64[:, None] * r3 + (sb * b3 + 32 + q)[None, :]
+        step_s = b3
+    else:  # scale and sign-index words 2q, 2q + 1
+        sp = (base + o2 + r64[:, None] * r2 + (sb * b2 + 8 * q)[None, :]).to(tl.pointer_type(tl.int32))
+        hp = dp
+        cp = dp
+        step_s = b2
+    xw = (sb * 64 + q * 16)[:, None] + tl.arange(0, 4)[None, :]  # + 8h: sub-block 2q + h's 8 words
+    xb = sb * 8 + q * 2  # + h: its q8_1 block
+    acc = zero_rows(M, BLOCK_N, G)
+    if CARRY:
+        tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)
+    for it in range(0, n_iter):
+        if not CARRY:
+            tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)
+        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
+        more = it + 1 < n_iter
+        acc = _iq3_dots(tile, acc, tab_ptr, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT, S)
+        qs_p += advance(more, NB * 16, CARRY)
+        dp += advance(more, NB * b0, CARRY)
+        sp += advance(more, NB * step_s // 4, CARRY)
+        if S:
+            hp += advance(more, NB * b2, CARRY)
+            cp += advance(more, NB * b3, CARRY)
+        if CARRY:
+            tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)  # the next tile's loads (ptxas issues them mid-loop)
+        xw += NB * 64
+        xb += NB * 8
+    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
+    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
 # type -> (kernel, its type's constexprs)
 _LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
@@ -677,9 +793,10 @@ _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
             T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {}),
-            T.IQ2_XXS: (_iq2_xxs_kernel, {}), T.Q2_K: (_q2_k_kernel, {})}
+            T.IQ2_XXS: (_iq2_xxs_kernel, {}), T.Q2_K: (_q2_k_kernel, {}),
+            T.IQ3_XXS: (_iq3_kernel, {"S": 0}), T.IQ3_S: (_iq3_kernel, {"S": 1})}
 # the types whose kernel gathers a lattice's points (lattice.grid_words)
-_LATTICE = {T.IQ2_XXS: "IQ2_XXS"}
+_LATTICE = {T.IQ2_XXS: "IQ2_XXS", T.IQ3_XXS: "IQ3_XXS", T.IQ3_S: "IQ3_S"}
 TYPES = frozenset(_KERNELS)
 
 
