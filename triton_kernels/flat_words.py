@@ -44,6 +44,12 @@ def split4(v):
 
 
 @triton.jit
+def x_words(xrow, xw, OFF: tl.constexpr):
+    """Four int32 words of q8_1 activations per group at word xw + OFF: [1, G] each (one 16-byte load)."""
+    return split4(tl.load(xrow + xw + OFF)[None, :, :])
+
+
+@triton.jit
 def word_ptrs(base, off, rs, r64):
     """int32 pointers to the first word of each row of a plane, [BLOCK_N, 1, 1]; add [1, G, 4] word offsets."""
     return (base + off + r64[:, None, None] * rs).to(tl.pointer_type(tl.int32))

@@ -23,20 +23,8 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
   Q6_K  per 16-element sub-block i: d * sc[i] * dx * sum((q - 32) * xq); the six-bit code is made from
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
-  Q3_K  per 16-element sub-block i: d * (sc[i] - 32) * dx * sum((q - 4) * xq); the three-bit code from its
-        qs pair and hmask bit, made a signed byte the same way (code + 124, bit 7 flipped).
-  Q2_K  per 16-element sub-block i: d * sc[i] * dx * sum(q * xq) - dmin * m[i] * dx * sum(xq), the two-bit
-        codes as Q3_K's low bits, the sums of xq over 16 a dot4 against ones (q8_1's sums cover 32).
-  IQ3_XXS, IQ3_S  per 32-element sub-block: its scale (d (0.5 + s) / 2; d (1 + 2s)) * dx * sum(g * xq), g
-        each group of 4's grid point (IQ3_S's with a ninth bit from qh) gathered as a word of int8
-        coordinates, signed as IQ2_XXS's (IQ3_S: its sign bytes as they are, no parity).
-  IQ2_XS, IQ2_S  as IQ2_XXS with a scale d (0.5 + s) / 4 for each 16 weights (two points): two sums a
-        sub-block; IQ2_XS's points 9 bits of a u16 whose top 7 index its signs, IQ2_S's 10 bits (a qs byte
-        and two qh bits) with a sign byte each.
-  IQ2_XXS  per 32-element sub-block (words a, b): d (0.5 + s) / 4 * dx * sum(g * xq), s the top four bits of
-        b, g each group of 8's grid point (byte l of a) as two words of int8 coordinates gathered from
-        lattice.grid_words, its signs (the 7-bit index at bit 7l of b, its parity the eighth) applied as
-        (g ^ m) + (m & 1) per byte with m 0xFF where negative (-g, no carry: g >= 8).
+  Q3_K, Q2_K  matvec_kquants_low.py.
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S  matvec_iq.py.
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
 matmul.reference_matmul in float64).
 """
@@ -55,17 +43,14 @@ from vegaserve.triton_kernels.flat_words import (
     block_planes,
     expert_program,
     program_rows,
-    q2_k_groups,
-    q3_k_groups,
     q4_k_groups,
     q4_k_scale_decode,
     q4_k_scale_words,
     q6_k_groups,
     q6_k_scales,
-    quarter_groups,
     split4,
     store_rows,
-    word_ptrs,
+    x_words,
     zero_rows,
 )
 from vegaserve.triton_kernels.int8_ops import (
@@ -80,6 +65,8 @@ from vegaserve.triton_kernels.int8_ops import (
 )
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
+from vegaserve.triton_kernels.matvec_iq import LATTICE, iq2_pairs_kernel, iq2_xxs_kernel, iq3_kernel
+from vegaserve.triton_kernels.matvec_kquants_low import q2_k_kernel, q3_k_kernel
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
 from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
 from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
@@ -91,12 +78,6 @@ def reference_matvec_q8_1(q: torch.Tensor, d: torch.Tensor, w: PackedWeight) -> 
     """The product the kernels compute: the q8_1 activation dequantized, times dequant(W)^T in float64."""
     x = (q.double().view(q.shape[0], -1, 32) * d.double()[..., None]).view(q.shape)
     return reference_matmul(x, w)
-
-
-@triton.jit
-def _x_words(xrow, xw, OFF: tl.constexpr):
-    """Four int32 words of q8_1 activations per group at word xw + OFF: [1, G] each (one 16-byte load)."""
-    return split4(tl.load(xrow + xw + OFF)[None, :, :])
 
 
 @triton.jit
@@ -145,7 +126,7 @@ def _q8_0_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
     new = ()
     for m in tl.static_range(M):
         xrow = xq_ptr + m * (K // 4)
-        xv = _x_words(xrow, xw, 0) + _x_words(xrow, xw, 4)
+        xv = x_words(xrow, xw, 0) + x_words(xrow, xw, 4)
         s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
         for i in tl.static_range(8):
             s = dot4(words[i], xv[i], s, DOT)
@@ -173,8 +154,8 @@ def _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M: tl.constexpr, 
     new = ()
     for m in tl.static_range(M):
         xrow = xq_ptr + m * (K // 4)
-        xl = _x_words(xrow, xw, 0)
-        xh = _x_words(xrow, xw, 4)
+        xl = x_words(xrow, xw, 0)
+        xh = x_words(xrow, xw, 4)
         s = tl.zeros([BLOCK_N, NB], dtype=tl.int32)
         for i in tl.static_range(4):
             s = dot4(lo[i], xl[i], s, DOT)
@@ -377,8 +358,8 @@ def _q6_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: t
         acc_g = ()
         for m in tl.static_range(M):
             xrow = xq_ptr + m * (K // 4)
-            xl = _x_words(xrow, xw, 8 * gm)
-            xh = _x_words(xrow, xw, 8 * gm + 16)
+            xl = x_words(xrow, xw, 8 * gm)
+            xh = x_words(xrow, xw, 8 * gm + 16)
             s_lo, s_hi = low_high_sums(lo, hi, xl, xh, BLOCK_N, G, DOT)
             xs = dx_ptr + m * (K // 32) + xb + gm
             dx_lo, dx_hi = tl.load(xs)[None, :], tl.load(xs + 2)[None, :]
@@ -431,492 +412,16 @@ def _q6_k_kernel(
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
 
 
-@triton.jit
-def _q3_k_tile(hm_p, qs_p, sp, dp):
-    """Loads of one Q3_K tile: d, the super-block's three scale words, the group's hmask and qs runs."""
-    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return d, tl.load(sp), tl.load(sp + 1), tl.load(sp + 2), tl.load(hm_p), tl.load(qs_p)
-
-
-@triton.jit
-def _q3_k_scale(a, b, c, n, sub, j: tl.constexpr):
-    """The signed scale sc - 32 of sub-block 8n + 2j + sub, int32 [BLOCK_N, G]: its low four bits in nibble
-    n of scale byte 2j + sub (words a, b: bytes 0-7), its high two at bit 4n + 2 (j // 2) of byte
-    (2j + sub) % 4 of word c (bytes 8-11)."""
-    byte = (8 * (2 * (j % 2) + sub))[None, :]
-    low = ((a if j < 2 else b) >> (byte + 4 * n[None, :])) & 15
-    high = (c >> (byte + 4 * n[None, :] + 2 * (j // 2))) & 3
-    return (low | (high << 4)) - 32
-
-
-@triton.jit
-def _q3_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, n, sub, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-               G: tl.constexpr, DOT: tl.constexpr):
-    """Group (sb, n, sub), code j = 0..3: elements 128n + 32j + 16 sub + l (l < 16), two bits at 2j of qs
-    byte 32n + 16 sub + l, the third at bit 4n + j of hmask byte 16 sub + l; q8_1 block 8 sb + 4n + j."""
-    d, a, b, c, hm_w, qs_w = tile
-    hm = split4(hm_w)
-    qs = split4(qs_w)
-    new = acc
-    for j in tl.static_range(4):
-        codes = ()
-        for i in tl.static_range(4):
-            code = ((qs[i] >> (2 * j)) & 0x03030303) | (((hm[i] >> (4 * n[None, :] + j)) & 0x01010101) << 2)
-            codes = codes + ((code + 0x7C7C7C7C) ^ -0x7F7F7F80,)  # code - 4, signed bytes
-        scale = d * _q3_k_scale(a, b, c, n, sub, j).to(tl.float32)
-        acc_j = ()
-        for m in tl.static_range(M):
-            xv = _x_words(xq_ptr + m * (K // 4), xw, 8 * j)
-            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(4):
-                s = dot4(codes[i], xv[i], s, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb + j)[None, :]
-            acc_j = acc_j + (new[m] + scale * dx * s.to(tl.float32),)
-        new = acc_j
-    return new
-
-
-@triton.jit
-def _q3_k_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): hmask, qs, scales, d
-    N, K, blocks_per_split,  # super-blocks of 256
-    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
-):
-    pdl.let_next_start(PDL)
-    if EXPERTS:  # the expert ids come from the router, which the wait covers
-        pdl.wait_for_inputs(PDL)
-        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
-            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
-            BLOCK_N)
-    G: tl.constexpr = 4 * NB
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    hm_p, qs_p, sp, dp, sb, n, sub = q3_k_groups(base, o0, r0, o1, r1, o2, r2, b2, o3, r3, b3, r64, first, NB)
-    xw = (sb * 64 + n * 32 + sub * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: code j's 16 elements
-    xb = sb * 8 + n * 4  # + j: their q8_1 block
-    acc = zero_rows(M, BLOCK_N, G)
-    if CARRY:
-        tile = _q3_k_tile(hm_p, qs_p, sp, dp)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _q3_k_tile(hm_p, qs_p, sp, dp)
-        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
-        more = it + 1 < n_iter
-        acc = _q3_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, n, sub, K, M, BLOCK_N, G, DOT)
-        hm_p += advance(more, NB * 8, CARRY)
-        qs_p += advance(more, NB * 16, CARRY)
-        sp += advance(more, NB * b2 // 4, CARRY)
-        dp += advance(more, NB * b3, CARRY)
-        if CARRY:
-            tile = _q3_k_tile(hm_p, qs_p, sp, dp)  # the next tile's loads (ptxas issues them mid-loop)
-        xw += NB * 64
-        xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _q2_k_tile(qs_p, sp, dm):
-    """Loads of one Q2_K tile: d, dmin, the group's two scale words and its qs run."""
-    d = tl.load(dm.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((dm + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return d, dmin, tl.load(sp), tl.load(sp + 1), tl.load(qs_p)
-
-
-@triton.jit
-def _q2_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, sub, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-               G: tl.constexpr, DOT: tl.constexpr):
-    """Group (sb, n, sub), code j = 0..3: elements 128n + 32j + 16 sub + l (l < 16), two bits at 2j of qs
-    byte 32n + 16 sub + l; scale byte 8n + 2j + sub (scale low nibble, min high); q8_1 block 8 sb + 4n + j."""
-    d, dmin, s0, s1, qs_w = tile
-    qs = split4(qs_w)
-    ones = tl.full([BLOCK_N, G], 0x01010101, tl.int32)
-    new = acc
-    for j in tl.static_range(4):
-        byte = ((s0 if j < 2 else s1) >> (8 * (2 * (j % 2) + sub))[None, :]) & 255
-        scale = d * (byte & 15).to(tl.float32)
-        least = dmin * (byte >> 4).to(tl.float32)
-        codes = ()
-        for i in tl.static_range(4):
-            codes = codes + ((qs[i] >> (2 * j)) & 0x03030303,)
-        acc_j = ()
-        for m in tl.static_range(M):
-            xv = _x_words(xq_ptr + m * (K // 4), xw, 8 * j)
-            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            sx = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(4):
-                s = dot4(codes[i], xv[i], s, DOT)
-                sx = dot4(ones, xv[i], sx, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb + j)[None, :]
-            acc_j = acc_j + (new[m] + dx * (scale * s.to(tl.float32) - least * sx.to(tl.float32)),)
-        new = acc_j
-    return new
-
-
-@triton.jit
-def _q2_k_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): scales, qs, dm
-    N, K, blocks_per_split,  # super-blocks of 256
-    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
-):
-    pdl.let_next_start(PDL)
-    if EXPERTS:  # the expert ids come from the router, which the wait covers
-        pdl.wait_for_inputs(PDL)
-        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
-            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
-            BLOCK_N)
-    G: tl.constexpr = 4 * NB
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs_p, sp, dm, sb, n, sub = q2_k_groups(base, o0, r0, b0, o1, r1, o2, r2, b2, r64, first, NB)
-    xw = (sb * 64 + n * 32 + sub * 4)[:, None] + tl.arange(0, 4)[None, :]  # + 8j: code j's 16 elements
-    xb = sb * 8 + n * 4  # + j: their q8_1 block
-    acc = zero_rows(M, BLOCK_N, G)
-    if CARRY:
-        tile = _q2_k_tile(qs_p, sp, dm)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _q2_k_tile(qs_p, sp, dm)
-        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
-        more = it + 1 < n_iter
-        acc = _q2_k_dots(tile, acc, xq_ptr, dx_ptr, xw, xb, sub, K, M, BLOCK_N, G, DOT)
-        qs_p += advance(more, NB * 16, CARRY)
-        sp += advance(more, NB * b0 // 4, CARRY)
-        dm += advance(more, NB * b2, CARRY)
-        if CARRY:
-            tile = _q2_k_tile(qs_p, sp, dm)  # the next tile's loads (ptxas issues them mid-loop)
-        xw += NB * 64
-        xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _sign_byte(sign7):
-    """7-bit sign indices -> sign bytes, bit 7 the parity of the other seven (an even number of signs)."""
-    p = sign7 ^ (sign7 >> 4)
-    p = p ^ (p >> 2)
-    return sign7 | (((p ^ (p >> 1)) & 1) << 7)
-
-
-@triton.jit
-def _signed(g, sign, NIBBLE: tl.constexpr):
-    """A word of 4 non-negative int8 coordinates with the signs of nibble NIBBLE of `sign` applied: byte i
-    negated where bit i is set, (g ^ 0xFF) + 1 (no carry out of a byte: g >= 1)."""
-    one = (((sign >> (4 * NIBBLE)) & 15) * 0x00204081) & 0x01010101  # bit i of the nibble -> bit 0 of byte i
-    return (g ^ (one * 255)) + one
-
-
-@triton.jit
-def _signed_grid(tab, index, sign7):
-    """IQ2_XXS: grid points `index` and their 7-bit sign indices (int32 [BLOCK_N, G]) -> the two words of
-    each point's 8 int8 coordinates with its signs applied."""
-    sign = _sign_byte(sign7)
-    return _signed(tl.load(tab + 2 * index), sign, 0), _signed(tl.load(tab + 2 * index + 1), sign, 1)
-
-
-@triton.jit
-def _iq2_xxs_dots(tile, acc, tab, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  G: tl.constexpr, DOT: tl.constexpr):
-    """Group (sb, q): sub-blocks 2q + h (h = 0, 1), words a, b each; elements 64q + 32h + 8l + j of group
-    l's point (byte l of a) and signs (bits 7l of b); q8_1 block 8 sb + 2q + h."""
-    d, qs_w = tile
-    words = split4(qs_w)
-    new = acc
-    for h in tl.static_range(2):
-        a, b = words[2 * h], words[2 * h + 1]
-        scale = d * (0.5 + ((b >> 28) & 15).to(tl.float32)) * 0.25
-        vals = ()
-        for grp in tl.static_range(4):
-            vals = vals + _signed_grid(tab, (a >> (8 * grp)) & 255, (b >> (7 * grp)) & 127)
-        acc_h = ()
-        for m in tl.static_range(M):
-            xrow = xq_ptr + m * (K // 4)
-            xv = _x_words(xrow, xw, 8 * h) + _x_words(xrow, xw, 8 * h + 4)
-            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(8):
-                s = dot4(vals[i], xv[i], s, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb + h)[None, :]
-            acc_h = acc_h + (new[m] + scale * dx * s.to(tl.float32),)
-        new = acc_h
-    return new
-
-
-@triton.jit
-def _iq2_xxs_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs
-    N, K, blocks_per_split,  # super-blocks of 256
-    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
-    tab_ptr=None,  # lattice.grid_words: the grid's points as int8 coordinates
-):
-    pdl.let_next_start(PDL)
-    if EXPERTS:  # the expert ids come from the router, which the wait covers
-        pdl.wait_for_inputs(PDL)
-        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
-            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
-            BLOCK_N)
-    G: tl.constexpr = 4 * NB
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs_p, dp, sb, q = quarter_groups(base, o0, r0, b0, o1, r1, r64, first, NB)
-    xw = (sb * 64 + q * 16)[:, None] + tl.arange(0, 4)[None, :]  # + 8h: sub-block 2q + h's 8 words
-    xb = sb * 8 + q * 2  # + h: its q8_1 block
-    acc = zero_rows(M, BLOCK_N, G)
-    if CARRY:
-        tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
-        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
-        more = it + 1 < n_iter
-        acc = _iq2_xxs_dots(tile, acc, tab_ptr, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT)
-        qs_p += advance(more, NB * 16, CARRY)
-        dp += advance(more, NB * b0, CARRY)
-        if CARRY:  # the next tile's loads (ptxas issues them mid-loop)
-            tile = (tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32), tl.load(qs_p))
-        xw += NB * 64
-        xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _iq3_dots(tile, acc, tab, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-              G: tl.constexpr, DOT: tl.constexpr, S: tl.constexpr):
-    """IQ3_XXS (S 0) and IQ3_S (S 1), group (sb, q): sub-blocks 2q + h, points 16q + 8h + p (4 weights
-    each, 64q + 32h + 4p ..; point p of a sub-block is byte p % 4 of its qs word 2h + p // 4); each 8 weights'
-    signs one byte (IQ3_XXS: from the 7-bit index at bit 7(p // 2) of the sub-block's word, with its parity;
-    IQ3_S: byte 4h + p // 2 of the group's sign words), each point's low / high nibble of it; IQ3_S's
-    points take a ninth bit from qh; q8_1 block 8 sb + 2q + h."""
-    d, qs_w, aux0, aux1, qh, sc = tile
-    qs = split4(qs_w)
-    aux = (aux0, aux1)
-    new = acc
-    for h in tl.static_range(2):
-        if S:
-            scale = d * (1 + 2 * ((sc >> (4 * h)) & 15)).to(tl.float32)
-        else:
-            scale = d * (0.5 + ((aux[h] >> 28) & 15).to(tl.float32)) * 0.5
-        vals = ()
-        for p in tl.static_range(8):
-            point = (qs[2 * h + p // 4] >> (8 * (p % 4))) & 255
-            if S:
-                point = point | (((qh >> (8 * h + p)) & 1) << 8)
-                sign = aux[h] >> (8 * (p // 2))
-            else:
-                sign = _sign_byte((aux[h] >> (7 * (p // 2))) & 127)
-            vals = vals + (_signed(tl.load(tab + point), sign, p % 2),)
-        acc_h = ()
-        for m in tl.static_range(M):
-            xrow = xq_ptr + m * (K // 4)
-            xv = _x_words(xrow, xw, 8 * h) + _x_words(xrow, xw, 8 * h + 4)
-            s = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(8):
-                s = dot4(vals[i], xv[i], s, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb + h)[None, :]
-            acc_h = acc_h + (new[m] + scale * dx * s.to(tl.float32),)
-        new = acc_h
-    return new
-
-
-@triton.jit
-def _iq3_tile(qs_p, dp, sp, hp, cp, S: tl.constexpr):
-    """Loads of one IQ3 tile: d, the group's qs run, its two sign (IQ3_XXS: scale and sign-index) words,
-    and for IQ3_S its 16 qh bits and its scale byte."""
-    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    qs, a0, a1 = tl.load(qs_p), tl.load(sp), tl.load(sp + 1)
-    if S:
-        qh = tl.load(hp.to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sc = tl.load(cp).to(tl.int32)
-    else:  # (unread)
-        qh = a0
-        sc = a0
-    return d, qs, a0, a1, qh, sc
-
-
-@triton.jit
-def _iq3_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs, scales_signs / d, qs, qh, signs_scales
-    N, K, blocks_per_split,  # super-blocks of 256
-    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
-    S: tl.constexpr = 0, tab_ptr=None,  # S: IQ3_S (else IQ3_XXS); lattice.grid_words of the type
-):
-    pdl.let_next_start(PDL)
-    if EXPERTS:  # the expert ids come from the router, which the wait covers
-        pdl.wait_for_inputs(PDL)
-        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
-            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
-            BLOCK_N)
-    G: tl.constexpr = 4 * NB
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    qs_p, dp, sb, q = quarter_groups(base, o0, r0, b0, o1, r1, r64, first, NB)
-    if S:  # qh bytes 2q, 2q + 1; sign bytes 8q .. 8q + 7, then the scale byte q at 32
-        hp = base + o2 + r64[:, None] * r2 + (sb * b2 + 2 * q)[None, :]
-        sp = (base + o3 + r64[:, None] * r3 + (sb * b3 + 8 * q)[None, :]).to(tl.pointer_type(tl.int32))
-        cp = base + o3 + r64[:, None] * r3 + (sb * b3 + 32 + q)[None, :]
-        step_s = b3
-    else:  # scale and sign-index words 2q, 2q + 1
-        sp = (base + o2 + r64[:, None] * r2 + (sb * b2 + 8 * q)[None, :]).to(tl.pointer_type(tl.int32))
-        hp = dp
-        cp = dp
-        step_s = b2
-    xw = (sb * 64 + q * 16)[:, None] + tl.arange(0, 4)[None, :]  # + 8h: sub-block 2q + h's 8 words
-    xb = sb * 8 + q * 2  # + h: its q8_1 block
-    acc = zero_rows(M, BLOCK_N, G)
-    if CARRY:
-        tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)
-        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
-        more = it + 1 < n_iter
-        acc = _iq3_dots(tile, acc, tab_ptr, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT, S)
-        qs_p += advance(more, NB * 16, CARRY)
-        dp += advance(more, NB * b0, CARRY)
-        sp += advance(more, NB * step_s // 4, CARRY)
-        if S:
-            hp += advance(more, NB * b2, CARRY)
-            cp += advance(more, NB * b3, CARRY)
-        if CARRY:
-            tile = _iq3_tile(qs_p, dp, sp, hp, cp, S)  # the next tile's loads (ptxas issues them mid-loop)
-        xw += NB * 64
-        xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
-@triton.jit
-def _iq2_pairs_dots(tile, acc, tab, xq_ptr, dx_ptr, xw, xb, K, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    G: tl.constexpr, DOT: tl.constexpr, S: tl.constexpr):
-    """IQ2_XS (S 0) and IQ2_S (S 1), group (sb, q): sub-blocks 2q + h, points 8q + 4h + p (8 weights each,
-    64q + 32h + 8p ..), a scale nibble for each pair of points (nibble p // 2 of scale byte 2q + h). IQ2_XS:
-    point p is u16 entry p of the sub-block (words 2h, 2h + 1): its low 9 bits the point, its top 7 the sign
-    index (with its parity). IQ2_S: byte p of the sub-block's qs word h with two bits from qh (bits
-    8h + 2p of the group's u16), its sign byte byte p of sign word h. q8_1 block 8 sb + 2q + h."""
-    d, w0, w1, w2, w3, qh, sc = tile
-    words = (w0, w1, w2, w3)
-    new = acc
-    for h in tl.static_range(2):
-        vals = ()
-        for p in tl.static_range(4):
-            if S:
-                point = ((words[h] >> (8 * p)) & 255) | (((qh >> (8 * h + 2 * p)) & 3) << 8)
-                sign = words[2 + h] >> (8 * p)
-            else:
-                entry = words[2 * h + p // 2] >> (16 * (p % 2))
-                point = entry & 511
-                sign = _sign_byte((entry >> 9) & 127)
-            vals = vals + (_signed(tl.load(tab + 2 * point), sign, 0), _signed(tl.load(tab + 2 * point + 1), sign, 1))
-        byte = sc >> (8 * h)
-        lo = d * (0.5 + (byte & 15).to(tl.float32)) * 0.25
-        hi = d * (0.5 + ((byte >> 4) & 15).to(tl.float32)) * 0.25
-        acc_h = ()
-        for m in tl.static_range(M):
-            xrow = xq_ptr + m * (K // 4)
-            xv = _x_words(xrow, xw, 8 * h) + _x_words(xrow, xw, 8 * h + 4)
-            s_lo = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            s_hi = tl.zeros([BLOCK_N, G], dtype=tl.int32)
-            for i in tl.static_range(4):
-                s_lo = dot4(vals[i], xv[i], s_lo, DOT)
-                s_hi = dot4(vals[4 + i], xv[4 + i], s_hi, DOT)
-            dx = tl.load(dx_ptr + m * (K // 32) + xb + h)[None, :]
-            acc_h = acc_h + (new[m] + dx * (lo * s_lo.to(tl.float32) + hi * s_hi.to(tl.float32)),)
-        new = acc_h
-    return new
-
-
-@triton.jit
-def _iq2_pairs_tile(qs_p, dp, hp, cp, S: tl.constexpr):
-    """Loads of one IQ2_XS / IQ2_S tile: d, the group's four quant words (IQ2_XS: its 8 u16 entries; IQ2_S:
-    its 8 qs bytes, then its 8 sign bytes), IQ2_S's 16 qh bits, and the group's two scale bytes."""
-    d = tl.load(dp.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    sc = tl.load(cp.to(tl.pointer_type(tl.uint16))).to(tl.int32)
-    if S:
-        qh = tl.load(hp.to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        w0, w1, w2, w3 = tl.load(qs_p), tl.load(qs_p + 1), tl.load(qs_p + 8), tl.load(qs_p + 9)
-    else:
-        qh = sc  # (unread)
-        w0, w1, w2, w3 = split4(tl.load(qs_p))
-    return d, w0, w1, w2, w3, qh, sc
-
-
-@triton.jit
-def _iq2_pairs_kernel(
-    xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
-    o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py): d, qs, scales / d, qs, qh, scales
-    N, K, blocks_per_split,  # super-blocks of 256
-    ids_ptr, expert_bytes,  # EXPERTS: each assignment's expert, the stride between experts' bytes
-    M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CARRY: tl.constexpr, PDL: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1,
-    S: tl.constexpr = 0, tab_ptr=None,  # S: IQ2_S (else IQ2_XS); lattice.grid_words of the type
-):
-    pdl.let_next_start(PDL)
-    if EXPERTS:  # the expert ids come from the router, which the wait covers
-        pdl.wait_for_inputs(PDL)
-        base, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr = expert_program(
-            ids_ptr, base, expert_bytes, xq_ptr, dx_ptr, sx_ptr, part_ptr, out_ptr, count_ptr, N, K, XDIV, SPLIT,
-            BLOCK_N)
-    G: tl.constexpr = 4 * NB
-    rows, r64, first, n_iter = program_rows(N, blocks_per_split, K // 256, BLOCK_N, NB)
-    g = tl.arange(0, G)
-    sb = first + g // 4
-    q = g % 4
-    dp = base + o0 + r64[:, None] * r0 + sb[None, :] * b0
-    if S:  # qs bytes 8q .. (words 2q, 2q + 1), sign bytes 32 + 8q .. (words 8 + 2q, ..); qh bytes 2q, 2q + 1
-        qs_p = (base + o1 + r64[:, None] * r1 + (sb * 64 + 8 * q)[None, :]).to(tl.pointer_type(tl.int32))
-        hp = base + o2 + r64[:, None] * r2 + (sb * b2 + 2 * q)[None, :]
-        cp = base + o3 + r64[:, None] * r3 + (sb * b3 + 2 * q)[None, :]
-    else:  # u16 entries 8q .. 8q + 7: one 16-byte run; scale bytes 2q, 2q + 1
-        qs_p = word_ptrs(base, o1, r1, r64) + (sb * 16 + q * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
-        hp = dp
-        cp = base + o2 + r64[:, None] * r2 + (sb * b2 + 2 * q)[None, :]
-    xw = (sb * 64 + q * 16)[:, None] + tl.arange(0, 4)[None, :]  # + 8h: sub-block 2q + h's 8 words
-    xb = sb * 8 + q * 2  # + h: its q8_1 block
-    acc = zero_rows(M, BLOCK_N, G)
-    if CARRY:
-        tile = _iq2_pairs_tile(qs_p, dp, hp, cp, S)
-    for it in range(0, n_iter):
-        if not CARRY:
-            tile = _iq2_pairs_tile(qs_p, dp, hp, cp, S)
-        pdl.wait_for_inputs(PDL)  # after the first tile's loads; a no-op after the first
-        more = it + 1 < n_iter
-        acc = _iq2_pairs_dots(tile, acc, tab_ptr, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, G, DOT, S)
-        qs_p += advance(more, NB * 16, CARRY)
-        dp += advance(more, NB * b0, CARRY)
-        if S:
-            hp += advance(more, NB * b2, CARRY)
-            cp += advance(more, NB * b3, CARRY)
-        else:
-            cp += advance(more, NB * b2, CARRY)
-        if CARRY:
-            tile = _iq2_pairs_tile(qs_p, dp, hp, cp, S)  # the next tile's loads (ptxas issues them mid-loop)
-        xw += NB * 64
-        xb += NB * 8
-    pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
-    store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
-
-
 # type -> (kernel, its type's constexprs)
 _LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
             T.IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
-            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}), T.Q3_K: (_q3_k_kernel, {}),
-            T.IQ2_XXS: (_iq2_xxs_kernel, {}), T.Q2_K: (_q2_k_kernel, {}),
-            T.IQ3_XXS: (_iq3_kernel, {"S": 0}), T.IQ3_S: (_iq3_kernel, {"S": 1}),
-            T.IQ2_XS: (_iq2_pairs_kernel, {"S": 0}), T.IQ2_S: (_iq2_pairs_kernel, {"S": 1})}
-# the types whose kernel gathers a lattice's points (lattice.grid_words)
-_LATTICE = {T.IQ2_XXS: "IQ2_XXS", T.IQ3_XXS: "IQ3_XXS", T.IQ3_S: "IQ3_S", T.IQ2_XS: "IQ2_XS", T.IQ2_S: "IQ2_S"}
+            T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}),
+            T.Q3_K: (q3_k_kernel, {}), T.Q2_K: (q2_k_kernel, {}),
+            T.IQ2_XXS: (iq2_xxs_kernel, {}), T.IQ2_XS: (iq2_pairs_kernel, {"S": 0}), T.IQ2_S: (iq2_pairs_kernel, {"S": 1}),
+            T.IQ3_XXS: (iq3_kernel, {"S": 0}), T.IQ3_S: (iq3_kernel, {"S": 1})}
 TYPES = frozenset(_KERNELS)
 
 
@@ -975,7 +480,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: 
     part, y, counts = launch.outputs(rows, w.n, x.device, out)
     expert_args, expert_consts = launch.expert_args(w, experts)
     unit = 8 if type_args.get("XS") else 1  # IQ4_XS: the launch's super-blocks as the kernel's blocks of 32
-    table = {"tab_ptr": grid_words(_LATTICE[w.type_id], x.device)} if w.type_id in _LATTICE else {}
+    table = {"tab_ptr": grid_words(LATTICE[w.type_id], x.device)} if w.type_id in LATTICE else {}
     kernel[launch.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split * unit,
         *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile * unit,

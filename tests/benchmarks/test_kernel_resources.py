@@ -70,7 +70,7 @@ def test_entries_are_the_files_exact_shapes_with_their_kernel_over_its_rule():
     ("tiles", "Q4_K", 4096, 16, "_matvec_kernel"),
     ("int8", "Q8_0", 4096, 16, "_legacy_kernel"),
     ("int8", "Q6_K", 4096, 16, "_q6_k_kernel"),
-    ("int8", "IQ2_XXS", 4096, 16, "_iq2_xxs_kernel"),
+    ("int8", "IQ2_XXS", 4096, 16, "iq2_xxs_kernel"),
     ("pieces", "Q4_K", 4096, 32, "q4_k_pieces_kernel"),
     ("lanes", "Q6_K", 4096, 8, "lanes_kernel"),
     ("lanes", "MXFP4", 4096, 8, "lanes_kernel"),
