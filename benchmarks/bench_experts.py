@@ -73,7 +73,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s; {args.preset}: {experts} "
           f"experts, top {top_k}, hidden {hidden}, expert ffn {ffn}")
-    print("| stack | type | tokens | experts read | us | GB/s | % copy bw | kernel |\n|---|---|---|---|---|---|---|---|")
+    print("| stack | type | tokens | experts read | us | GB/s | % copy bw | kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for stack, type_name in stacks:
         rows, k, x_div = stack_shape(stack, hidden, ffn)
@@ -97,7 +98,8 @@ def main() -> None:
             ref = reference_expert_matmul(xr, w0, Experts(ids[0].cpu(), div))
             err = float((y.double().cpu() - ref).norm() / ref.norm())
             if err > 1e-4:
-                raise SystemExit(f"{stack} {type_name} at {tokens} tokens: relative error {err:.2e} against the reference")
+                raise SystemExit(f"{stack} {type_name} at {tokens} tokens: relative error {err:.2e} against the "
+                                 "reference")
             calls = [lambda w=w, e=e: expert_matmul(x, w, Experts(e, div), choice, grouped=False, q8_1=q8)
                      for w, e in zip(copies, ids, strict=True)]
             ms = bench_graph(calls)

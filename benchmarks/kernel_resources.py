@@ -52,8 +52,8 @@ POINTERS = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "base": "*u8
             "out_ptr": "*fp32", "count_ptr": "*i32"}
 # a plain (not expert) launch: no expert column (EXPERTS 0 leaves these two unused), no lattice table
 LAUNCH_DEFAULTS = {"ids_ptr": None, "expert_bytes": 0, "tab_ptr": None}
-# the kernels that always read a lattice table (matvec_iq.py: lattice.grid_words' int32 words)
-TABLE_POINTERS = {"iq2_xxs_kernel": "*i32", "iq3_kernel": "*i32", "iq2_pairs_kernel": "*i32"}
+# the kernels that always read a lattice table (matvec_iq.py, matvec_iq1.py: lattice.grid_words' int32 words)
+TABLE_POINTERS = {"iq2_xxs_kernel": "*i32", "iq3_kernel": "*i32", "iq2_pairs_kernel": "*i32", "iq1_kernel": "*i32"}
 ACTIVATIONS = {"cuda": "*bf16", "hip": "*fp16"}  # the tile kernel's x: the model's activation type there
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 # the device the rule sizes grids for: compute units, warp size

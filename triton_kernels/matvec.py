@@ -8,7 +8,7 @@ at load, and `matvec` launches it per step.
           backend's fallback, and the kernel of the types no int8 kernel serves.
   int8    matvec_int8.py: x quantized to q8_1 once (its copy shared by every matrix that reads x), four
           int8 products an instruction (dp4a, v_dot4); Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q4_K, Q6_K,
-          Q3_K, Q2_K, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS repacked.
+          Q3_K, Q2_K, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M repacked.
   pieces  matvec_pieces.py: Q4_K and Q6_K with each row's loads along it (int8 products, as int8).
   lanes   matvec_mma.py: one mma.sync (int8) a block and 16 rows, each lane building its operands; the
           int8 types on NVIDIA sm_80 and later.

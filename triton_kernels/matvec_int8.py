@@ -24,7 +24,7 @@ Per type (the activation's q8_1 block b has scale dx[b] and sx[b] = dx[b] * sum(
         its ql nibble and qh pair in place and turned into the signed byte q - 32 with an add and an
         XOR per word (code + 96 never carries out of its byte; flipping bit 7 subtracts 128).
   Q3_K, Q2_K  matvec_kquants_low.py.
-  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S  matvec_iq.py.
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S  matvec_iq.py; IQ1_S, IQ1_M  matvec_iq1.py.
 Torch reference: `reference_matvec_q8_1` (the activation dequantized from its q8_1 form, then
 matmul.reference_matmul in float64).
 """
@@ -66,6 +66,7 @@ from vegaserve.triton_kernels.int8_ops import (
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import reference_matmul
 from vegaserve.triton_kernels.matvec_iq import LATTICE, iq2_pairs_kernel, iq2_xxs_kernel, iq3_kernel
+from vegaserve.triton_kernels.matvec_iq1 import iq1_kernel
 from vegaserve.triton_kernels.matvec_kquants_low import q2_k_kernel, q3_k_kernel
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
 from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
@@ -212,7 +213,8 @@ def _legacy_kernel(
         else:
             acc = _nibble_dots(tile, acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
         if CARRY:
-            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)  # the next tile's loads (ptxas issues them mid-loop)
+            # the next tile's loads (ptxas issues them mid-loop)
+            tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)
         xw += NB * 8
         xb += NB
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
@@ -420,8 +422,10 @@ _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_
             T.MXFP4: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 2, "E8M0": True}),
             T.Q4_K: (_q4_k_kernel, {}), T.Q6_K: (_q6_k_kernel, {}),
             T.Q3_K: (q3_k_kernel, {}), T.Q2_K: (q2_k_kernel, {}),
-            T.IQ2_XXS: (iq2_xxs_kernel, {}), T.IQ2_XS: (iq2_pairs_kernel, {"S": 0}), T.IQ2_S: (iq2_pairs_kernel, {"S": 1}),
-            T.IQ3_XXS: (iq3_kernel, {"S": 0}), T.IQ3_S: (iq3_kernel, {"S": 1})}
+            T.IQ2_XXS: (iq2_xxs_kernel, {}),
+            T.IQ2_XS: (iq2_pairs_kernel, {"S": 0}), T.IQ2_S: (iq2_pairs_kernel, {"S": 1}),
+            T.IQ3_XXS: (iq3_kernel, {"S": 0}), T.IQ3_S: (iq3_kernel, {"S": 1}),
+            T.IQ1_S: (iq1_kernel, {"M1": 0}), T.IQ1_M: (iq1_kernel, {"M1": 1})}
 TYPES = frozenset(_KERNELS)
 
 

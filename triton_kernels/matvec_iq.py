@@ -37,7 +37,8 @@ from vegaserve.triton_kernels.flat_words import (
 from vegaserve.triton_kernels.int8_ops import advance, dot4
 
 # the lattice table each type's kernel gathers (lattice.grid_words)
-LATTICE = {T.IQ2_XXS: "IQ2_XXS", T.IQ2_XS: "IQ2_XS", T.IQ2_S: "IQ2_S", T.IQ3_XXS: "IQ3_XXS", T.IQ3_S: "IQ3_S"}
+LATTICE = {T.IQ2_XXS: "IQ2_XXS", T.IQ2_XS: "IQ2_XS", T.IQ2_S: "IQ2_S", T.IQ3_XXS: "IQ3_XXS", T.IQ3_S: "IQ3_S",
+           T.IQ1_S: "IQ1_S", T.IQ1_M: "IQ1_S"}  # (matvec_iq1.py's IQ1_S and IQ1_M)
 
 
 @triton.jit

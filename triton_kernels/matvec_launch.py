@@ -21,11 +21,12 @@ from vegaserve.triton_kernels.matmul import divisor_at_most, tile_split
 
 # type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile); IQ4_XS's
 # super-blocks are 8 of IQ4_NL's blocks to the kernel (matvec_int8), which the rule treats as one
-K_QUANTS = frozenset({T.Q4_K, T.Q6_K, T.Q3_K, T.IQ2_XXS, T.Q2_K, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S})  # the super-block kernels: heavier tiles, fewer rows a thread above M = 1
+K_QUANTS = frozenset({T.Q4_K, T.Q6_K, T.Q3_K, T.IQ2_XXS, T.Q2_K, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S, T.IQ1_S,
+                      T.IQ1_M})  # the super-block kernels: heavier tiles, fewer rows a thread above M = 1
 GEOMETRY = {T.Q8_0: (32, 1, 32), T.Q4_0: (32, 1, 16), T.IQ4_NL: (32, 1, 16), T.MXFP4: (32, 1, 16),
             T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48), T.Q3_K: (256, 4, 32), T.IQ4_XS: (256, 8, 16), T.IQ2_XXS: (256, 4, 16),
             T.Q2_K: (256, 4, 16), T.IQ3_XXS: (256, 4, 16), T.IQ3_S: (256, 4, 16),
-            T.IQ2_XS: (256, 4, 16), T.IQ2_S: (256, 4, 16)}
+            T.IQ2_XS: (256, 4, 16), T.IQ2_S: (256, 4, 16), T.IQ1_S: (256, 4, 12), T.IQ1_M: (256, 4, 12)}
 
 # The fixed rule (`candidates` is what a sweep decides among):
 # - groups per tile: 16 for the 16-byte groups (Q4_0, IQ4_NL, MXFP4, IQ4_XS), 8 for the others, so a row's

@@ -32,7 +32,7 @@ common = dict(M=1, BLOCK_N=16, SPLIT=2, DOT=dot, CARRY=0, PDL=False, EXPERTS=0, 
 kernels = {}
 for name, nb in (("Q8_0", 32), ("Q4_0", 32), ("IQ4_NL", 32), ("MXFP4", 32), ("IQ4_XS", 16), ("Q4_K", 8), ("Q6_K", 4),
                  ("Q3_K", 4), ("IQ2_XXS", 4), ("Q2_K", 4), ("IQ3_XXS", 4), ("IQ3_S", 4),
-                 ("IQ2_XS", 4), ("IQ2_S", 4)):
+                 ("IQ2_XS", 4), ("IQ2_S", 4), ("IQ1_S", 4), ("IQ1_M", 4)):
     fn, type_args = matvec_int8.kernel_for(getattr(T, name), 1)  # as a one-row launch takes it
     kernels[name] = (fn, dict(NB=nb, **type_args))
 for name in ("Q4_K", "Q6_K"):
@@ -60,7 +60,8 @@ WANT = {  # kernel -> instructions it must contain, per backend
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "IQ4_XS": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"},
              "Q6_K": {"dp4a.s32.s32"}, "Q3_K": {"dp4a.s32.s32"},
              "IQ2_XXS": {"dp4a.s32.s32"}, "Q2_K": {"dp4a.s32.s32"}, "IQ3_XXS": {"dp4a.s32.s32"},
-             "IQ3_S": {"dp4a.s32.s32"}, "IQ2_XS": {"dp4a.s32.s32"}, "IQ2_S": {"dp4a.s32.s32"}, "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
+             "IQ3_S": {"dp4a.s32.s32"}, "IQ2_XS": {"dp4a.s32.s32"}, "IQ2_S": {"dp4a.s32.s32"},
+             "IQ1_S": {"dp4a.s32.s32"}, "IQ1_M": {"dp4a.s32.s32"}, "Q4_K_pieces": {"dp4a.s32.s32"}, "Q4_K_pieces_unpack": {"dp4a.s32.s32"}, "Q6_K_pieces": {"dp4a.s32.s32"},
              "Q6_K_pieces_unpack": {"dp4a.s32.s32"},
              "Q4_K_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"},
              "Q6_K_lanes": {"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"},
@@ -73,6 +74,7 @@ WANT = {  # kernel -> instructions it must contain, per backend
             "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"}, "Q3_K": {"v_dot4_i32_i8"},
             "IQ2_XXS": {"v_dot4_i32_i8"}, "Q2_K": {"v_dot4_i32_i8"}, "IQ3_XXS": {"v_dot4_i32_i8"},
             "IQ3_S": {"v_dot4_i32_i8"}, "IQ2_XS": {"v_dot4_i32_i8"}, "IQ2_S": {"v_dot4_i32_i8"},
+            "IQ1_S": {"v_dot4_i32_i8"}, "IQ1_M": {"v_dot4_i32_i8"},
             "Q4_K_pieces": {"v_dot4_i32_i8"}, "Q4_K_pieces_unpack": {"v_dot4_i32_i8"},
             "Q6_K_pieces": {"v_dot4_i32_i8"}, "Q6_K_pieces_unpack": {"v_dot4_i32_i8"}},
 }

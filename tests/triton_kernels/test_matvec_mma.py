@@ -61,7 +61,8 @@ def test_lanes_kernels_leave_one_block_tiles_to_the_int8_kernel(name, k, nb, lan
     assert handed == ([] if lanes else [params])
 
 
-@pytest.mark.parametrize("name", ["IQ4_XS", "Q3_K", "IQ2_XXS", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"])
+@pytest.mark.parametrize("name", ["IQ4_XS", "Q3_K", "IQ2_XXS", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S",
+                                  "IQ1_M"])
 def test_lanes_kernel_refuses_the_int8_kernels_super_block_record_types(name):
     """The new types the int8 kernel serves (scales decoded from super-block records, the lattice types'
     points gathered) have no lanes kernel: refused by name, and the tuning sweep offers no lanes candidate."""

@@ -59,6 +59,8 @@ DECODE = [("pieces", "Q4_K", {"block_n": 8, "nb": 8, "split_k": 2, "num_warps": 
           ("int8", "IQ3_S", {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1, "carry": 1}),
           ("int8", "IQ2_XS", {"block_n": 16, "nb": 8, "split_k": 2, "num_warps": 1, "carry": 1}),
           ("int8", "IQ2_S", {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1, "carry": 0}),
+          ("int8", "IQ1_S", {"block_n": 16, "nb": 8, "split_k": 2, "num_warps": 1, "carry": 1}),
+          ("int8", "IQ1_M", {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1, "carry": 0}),
           ("tiles", "Q5_K", {"block_n": 16, "nb": 8, "split_k": 2, "num_warps": 1}),
           ("tiles", "BF16", {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1})]
 

@@ -98,11 +98,11 @@ def test_every_new_type_is_served_by_the_tiles_kernel():
 
 @pytest.mark.parametrize("target", ["cuda_sm90", "hip_gfx906", "cpu"])
 def test_the_tuning_files_give_the_new_types_the_tiles_kernel_but_where_the_sm90_file_names_int8(target):
-    """The sm_90 file names the int8 kernel for every new type but IQ1_S and IQ1_M in the repacked layout (the
-    only one it reads); those two, the canonical layout and the other targets take the backend's fallback,
-    the tiles kernel, at every row count."""
+    """The sm_90 file names the int8 kernel for every new type in the repacked layout (the only one it
+    reads); the canonical layout and the other targets take the backend's fallback, the tiles kernel, at
+    every row count."""
     tuning = load_tuning(target)
-    int8 = set(TYPES) - {"IQ1_S", "IQ1_M"} if target == "cuda_sm90" else set()
+    int8 = set(TYPES) if target == "cuda_sm90" else set()
     for name in TYPES:
         tid = TYPE_IDS[name]
         raw = torch.zeros(N, 16 * GGML_TYPES[tid].type_size, dtype=torch.uint8)
@@ -148,4 +148,4 @@ def test_blocks_written_by_llama_quantize_through_the_int8_kernels():
             q, d, s = quantize_q8_1(x)
             y = matvec_int8(x, w, {"block_n": 16, "nb": 8, "split_k": 1, "num_warps": 1}, q8_1=(q, d, s))
             assert rel_err(y, reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)) < 1e-5, (tensor.name, m)
-    assert seen >= {"Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"}
+    assert seen == set(TYPES)
