@@ -353,6 +353,6 @@ class MtpGraphs(DecodeGraphs):
         if self.rows_per_seq == 1:
             self.h_in[: len(seqs)].copy_(h_in)
         else:
-            self.h_in.index_copy_(0, self._packed(len(h_in)), h_in)
+            self.h_in.index_copy_(0, self._packed(len(h_in)), h_in.to(self.h_in.dtype))
         logits, out, _ = self._replay(b, wanted, len(h_in))
         return out[: len(h_in)], logits

@@ -671,13 +671,15 @@ def test_the_mtp_blocks_first_guess_pairs_each_token_with_the_hidden_state_befor
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a static batch on CPU tensors runs the Triton attention "
                     "kernels, which only the interpreter takes; on a GPU the draft-mtp test above replays them")
-@pytest.mark.parametrize("rows, counts", [(1, [1, 1, 1]), (3, [3, 1, 2])])
-def test_an_mtp_graphs_static_batch_equals_the_eager_mtp_step(converted, rows, counts):
+@pytest.mark.parametrize("rows, counts, dtype", [(1, [1, 1, 1], torch.float32), (3, [3, 1, 2], torch.float32),
+                                                 (3, [1, 2, 3], torch.bfloat16)])
+def test_an_mtp_graphs_static_batch_equals_the_eager_mtp_step(converted, rows, counts, dtype):
     """engine/cuda_graphs.py's MtpGraphs (not captured on a CPU: the same staging run eagerly): three
     sequences in a bucket of four, each bringing `counts` tokens (rows 3: a catch-up of 1 to 3 tokens, its
     hidden states scattered to the sequences' rows) after a prompt whose MTP KV is written. The output
     hidden states (one a token, in order), the last rows' logits and the MTP layer's KV equal the eager
-    step's; padded rows write to the spare block only (a poison of 1e3 would show)."""
+    step's; padded rows write to the spare block only (a poison of 1e3 would show). Hidden states in another
+    type than the graphs' f32 buffer (a guess step's, the block's own output) are converted on the way in."""
     from vegaserve.engine.cuda_graphs import MtpGraphs
     from vegaserve.engine.forward_batch import MtpPlan
     from vegaserve.engine.layers.attention import KVCache
@@ -694,7 +696,7 @@ def test_an_mtp_graphs_static_batch_equals_the_eager_mtp_step(converted, rows, c
     worker.run_mtp(MtpPlan(first, sum(lengths)), torch.randn(sum(lengths), hidden, generator=gen))
     plan = StepPlan([(b, n, torch.randint(0, 320, (c,), generator=gen).tolist())
                      for b, n, c in zip(blocks, lengths, counts, strict=True)], [False] * 3, bs)
-    h_in = torch.randn(sum(counts), hidden, generator=gen)
+    h_in = torch.randn(sum(counts), hidden, generator=gen).to(dtype)
     spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
                     cache.k.device, spare=bs)
     for mine, theirs in ((spare.k, cache.k), (spare.v, cache.v)):
