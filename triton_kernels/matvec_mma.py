@@ -48,7 +48,6 @@ from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.flat_words import q4_k_scale_min
 from vegaserve.triton_kernels.int8_ops import PTX_DP4A, lookup16, minus_32, pairs_order
 from vegaserve.triton_kernels.layout import PackedWeight
-from vegaserve.triton_kernels.matvec_int8 import TYPES as INT8_TYPES
 from vegaserve.triton_kernels.matvec_int8 import dot_kind, matvec_int8, type_args
 from vegaserve.triton_kernels.matvec_launch import plan, unique
 from vegaserve.triton_kernels.mma_lanes import (
