@@ -31,7 +31,7 @@ import triton  # noqa: E402
 
 from vegaserve.triton_kernels.attention_decode import decode_attention, reference_decode  # noqa: E402
 from vegaserve.triton_kernels.attention_prefill import prefill_attention, reference_prefill  # noqa: E402
-from vegaserve.triton_kernels.timing import bench_graph  # noqa: E402
+from vegaserve.triton_kernels.timing import bench_graph, copy_bandwidth  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
@@ -39,13 +39,6 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 def bench(fn, ms: int = 200) -> float:
     """Median milliseconds."""
     return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median"))
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(2**29, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (t * 1e-3)
 
 
 def paged_cache(lens: list[int], kv: int, d: int, page: int, dtype: torch.dtype, device: str):

@@ -25,7 +25,7 @@ from vegaserve.triton_kernels.matvec import choose
 from vegaserve.triton_kernels.moe import Experts, expert_matmul, reference_expert_matmul
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
-from vegaserve.triton_kernels.timing import bench_graph, copies_for
+from vegaserve.triton_kernels.timing import bench_graph, copies_for, copy_bandwidth
 from vegaserve.triton_kernels.tuning import load_tuning
 
 TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
@@ -53,13 +53,6 @@ def draw_ids(tokens: int, top_k: int, experts: int, gen: torch.Generator) -> tor
 def gguf_bytes(type_name: str, rows: int, k: int) -> int:
     spec = GGML_TYPES[TYPE_IDS[type_name]]
     return rows * k // spec.block_size * spec.type_size
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + written), the median of graph replays."""
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (bench_graph([lambda: dst.copy_(src)], replays=10) * 1e-3)
 
 
 def main() -> None:

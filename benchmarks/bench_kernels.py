@@ -36,7 +36,7 @@ from vegaserve.triton_kernels.matmul import dense_gemm
 from vegaserve.triton_kernels.matvec import Choice, choose, device_shape, matvec
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
-from vegaserve.triton_kernels.timing import bench_graph, copies_for
+from vegaserve.triton_kernels.timing import bench_graph, copies_for, copy_bandwidth
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
 
 LLAMA3_8B = ["4096x4096", "6144x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096"]
@@ -46,13 +46,6 @@ TYPE_IDS = {s.name: t for t, s in GGML_TYPES.items()}
 def bench(fn, ms: int = 200) -> float:
     """Median milliseconds."""
     return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median"))
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(2**29, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (t * 1e-3)
 
 
 def make_weight(type_name: str, n: int, k: int, layout):

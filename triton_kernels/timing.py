@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import triton
 
 L2_ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 50 MB L2 (and gfx906's 4 MB): every copy comes from DRAM
 
@@ -15,6 +16,15 @@ L2_ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 50 MB L2 (and gfx906's 4 MB):
 def copies_for(nbytes: int) -> int:
     """How many copies of an input of nbytes to rotate through so that none is in L2 when it is read."""
     return max(4, -(-L2_ROTATION_BYTES // max(nbytes, 1)))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + written), the median of triton's do_bench: the
+    ceiling the benchmarks quote their kernels' bandwidth against."""
+    src = torch.randn(2**29, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def bench_graph(calls: Sequence[Callable[[], object]], replays: int = 25) -> float:
