@@ -69,8 +69,9 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, target: GP
     integer not in `ints` is a plain i32."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     table = TABLE_POINTERS.get(fn.__name__)
-    for name, value in LAUNCH_DEFAULTS.items():
-        if name in fn.arg_names and name not in consts and name not in (ints or {}) and not (table and name == "tab_ptr"):
+    defaults = {k: v for k, v in LAUNCH_DEFAULTS.items() if not (table and k == "tab_ptr")}
+    for name, value in defaults.items():
+        if name in fn.arg_names and name not in consts and name not in (ints or {}):
             consts[name] = value
     types = {**POINTERS, "x_ptr": ACTIVATIONS[target.backend], **({"tab_ptr": table} if table else {})}
     sig, attrs = {}, {}

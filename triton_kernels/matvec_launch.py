@@ -21,12 +21,12 @@ from vegaserve.triton_kernels.matmul import divisor_at_most, tile_split
 
 # type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile); IQ4_XS's
 # super-blocks are 8 of IQ4_NL's blocks to the kernel (matvec_int8), which the rule treats as one
-K_QUANTS = frozenset({T.Q4_K, T.Q6_K, T.Q3_K, T.IQ2_XXS, T.Q2_K, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S, T.IQ1_S,
-                      T.IQ1_M})  # the super-block kernels: heavier tiles, fewer rows a thread above M = 1
 GEOMETRY = {T.Q8_0: (32, 1, 32), T.Q4_0: (32, 1, 16), T.IQ4_NL: (32, 1, 16), T.MXFP4: (32, 1, 16),
-            T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48), T.Q3_K: (256, 4, 32), T.IQ4_XS: (256, 8, 16), T.IQ2_XXS: (256, 4, 16),
-            T.Q2_K: (256, 4, 16), T.IQ3_XXS: (256, 4, 16), T.IQ3_S: (256, 4, 16),
-            T.IQ2_XS: (256, 4, 16), T.IQ2_S: (256, 4, 16), T.IQ1_S: (256, 4, 12), T.IQ1_M: (256, 4, 12)}
+            T.IQ4_XS: (256, 8, 16), T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48), T.Q3_K: (256, 4, 32),
+            T.Q2_K: (256, 4, 16), T.IQ2_XXS: (256, 4, 16), T.IQ2_XS: (256, 4, 16), T.IQ2_S: (256, 4, 16),
+            T.IQ3_XXS: (256, 4, 16), T.IQ3_S: (256, 4, 16), T.IQ1_S: (256, 4, 12), T.IQ1_M: (256, 4, 12)}
+# the super-block kernels (IQ4_XS's is the 32-element one): heavier tiles, fewer rows a thread above M = 1
+SUPER_BLOCK_KERNELS = frozenset(t for t, (qk, _, _) in GEOMETRY.items() if qk == 256) - {T.IQ4_XS}
 
 # The fixed rule (`candidates` is what a sweep decides among):
 # - groups per tile: 16 for the 16-byte groups (Q4_0, IQ4_NL, MXFP4, IQ4_XS), 8 for the others, so a row's
@@ -43,7 +43,7 @@ _WARPS, _IN_FLIGHT = 4, 24 * 1024
 def rule(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: int = 32) -> dict[str, int]:
     qk, _, bpg = GEOMETRY[type_id]
     groups = 16 if bpg == 16 else 8
-    rows = 2 if type_id in K_QUANTS and m > 1 else 4
+    rows = 2 if type_id in SUPER_BLOCK_KERNELS and m > 1 else 4
     return _config(type_id, n, k, groups, rows, _WARPS, warp_size, sm_count)
 
 
@@ -61,9 +61,9 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int, warp_size: i
     variants = []  # (groups, rows per thread, warps)
     if m == 1:
         variants = [(24 - groups, rows, _WARPS), (groups, rows // 2, _WARPS), (groups, rows, 2 * _WARPS)]
-        if type_id not in K_QUANTS:
+        if type_id not in SUPER_BLOCK_KERNELS:
             variants.append((groups, 2 * rows, _WARPS))
-    elif type_id not in K_QUANTS:
+    elif type_id not in SUPER_BLOCK_KERNELS:
         variants.append((groups, rows // 2, _WARPS))
     out += [_config(type_id, n, k, g, r, w, warp_size, sm_count) for g, r, w in variants if r >= 1]
     return unique(out)
