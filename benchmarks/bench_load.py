@@ -2,8 +2,9 @@
 
 1. The file's read rate: the whole file read once in order with O_DIRECT (the page cache bypassed, as `-lm
    dio` reads it), in 64 MiB reads; plain reads where the file system refuses O_DIRECT (said in the output).
-2. The engine built on the file with `--load-mode` (weights read, repacked and placed, KV cache and decode
-   graphs made), timed; its rate is the file's bytes over that time.
+2. The engine built on the file with `--load-mode`: the weights' part (read, repacked and placed on the
+   device, as the loader logs it) and the whole start (with the KV cache and the decode graphs), each timed;
+   the load rate is the weights' bytes over the weights' time.
 3. Device memory (CUDA): the most in use while loading and once loaded, read with cudaMemGetInfo by a thread
    every 10 ms and less what was in use before (the CUDA context), against the file's tensor bytes (the
    weights) plus the KV cache's bytes.
@@ -17,7 +18,9 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import mmap
 import os
 import threading
@@ -97,6 +100,31 @@ class DeviceMemory:
         self.peak = max(self.peak, self.used())
 
 
+class WeightLoad(logging.Handler):
+    """The loader's own figures for the weights (models/registry.load_model's log record)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.bytes, self.seconds = 0, 0.0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "weight_seconds"):
+            self.bytes += record.weight_bytes
+            self.seconds += record.weight_seconds
+
+    def __enter__(self) -> WeightLoad:
+        logger = logging.getLogger("vegaserve.engine.models.registry")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger("vegaserve.engine.models.registry")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
 def serve(core: EngineCore, n: int) -> list[int]:
     req = GenerateRequest(core.tokenizer.encode("The capital of France is"),
                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -121,26 +149,24 @@ def measure(path: Path, load_mode: str, context: int, seqs: int, gen: int, devic
         torch.cuda.synchronize(dev)
         mem = DeviceMemory(dev)
         before = mem.used()
-        with mem:
-            t0 = time.perf_counter()
-            core = EngineCore(cfg, show_progress=True)
-            torch.cuda.synchronize(dev)
-            load_s = time.perf_counter() - t0
-        loaded = mem.used() - before
-        peak = mem.peak - before
-    else:
+    with WeightLoad() as wl, (mem if cuda else contextlib.nullcontext()):
         t0 = time.perf_counter()
         core = EngineCore(cfg, show_progress=True)
-        load_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize(dev)
+        start_s = time.perf_counter() - t0
+    if not wl.seconds:
+        raise RuntimeError("the loader logged no weight load (models/registry.load_model's record)")
+    if cuda:
+        loaded, peak = mem.used() - before, mem.peak - before  # before serving: what the load left in use
     kv = core.runner.cache.nbytes
     tokens = serve(core, gen)
     core.close()
-    size = path.stat().st_size
     result: dict[str, object] = {
-        "file": str(path), "file_bytes": size, "load_mode": load_mode, "read_rate_gbs": rate / 1e9,
-        "o_direct": direct, "load_s": load_s, "load_rate_gbs": size / load_s / 1e9,
-        "load_share_of_read_rate": size / load_s / rate, "weight_bytes": weights, "kv_bytes": kv,
-        "served_tokens": len(tokens),
+        "file": str(path), "file_bytes": path.stat().st_size, "load_mode": load_mode, "read_rate_gbs": rate / 1e9,
+        "o_direct": direct, "weights_read_bytes": wl.bytes, "weights_load_s": wl.seconds,
+        "load_rate_gbs": wl.bytes / wl.seconds / 1e9, "load_share_of_read_rate": wl.bytes / wl.seconds / rate,
+        "engine_start_s": start_s, "weight_bytes": weights, "kv_bytes": kv, "served_tokens": len(tokens),
     }
     if cuda:
         result |= {"device_bytes_loaded": loaded, "device_bytes_peak": peak,
@@ -162,8 +188,10 @@ def main() -> None:
     rows = [
         ("file", f"{r['file_bytes'] / gb:.2f} GB"),
         ("read rate" + ("" if r["o_direct"] else " (plain reads: O_DIRECT refused)"), f"{r['read_rate_gbs']:.2f} GB/s"),
-        (f"load -lm {r['load_mode']}", f"{r['load_s']:.1f} s, {r['load_rate_gbs']:.2f} GB/s, "
-                                       f"{100 * r['load_share_of_read_rate']:.0f}% of the read rate"),
+        (f"weights read (-lm {r['load_mode']}) and placed", f"{r['weights_read_bytes'] / gb:.2f} GB in "
+         f"{r['weights_load_s']:.1f} s, {r['load_rate_gbs']:.2f} GB/s, {100 * r['load_share_of_read_rate']:.0f}% "
+         "of the read rate"),
+        ("engine start (weights, KV cache, decode graphs)", f"{r['engine_start_s']:.1f} s"),
         ("weights + KV cache", f"{r['weight_bytes'] / gb:.2f} + {r['kv_bytes'] / gb:.2f} GB"),
     ]
     if "device_bytes_peak" in r:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,8 @@ from vegaserve.engine.models.arch_config import ArchConfig, arch_config_from_ggu
 from vegaserve.engine.models.hybrid import HybridModel
 from vegaserve.engine.models.llama import LlamaModel
 from vegaserve.engine.models.weights import WeightLoader
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, type[LlamaModel]] = {
     "llama": LlamaModel,
@@ -62,8 +66,16 @@ def load_model(
     dtype = torch.float32  # activations, norms and the KV cache (f32 until the paged cache arrives)
     model = cls(arch, quant_method_for(device, repack, tuning_file, q8_1_cache, cpu_int4), max_positions, comm, layers,
                 shared_split)
+    t0 = time.monotonic()
     loader = WeightLoader(gguf, device, dtype, show_progress)
     model.load(loader)
     loader.report_unused()
     model.to(device).eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.monotonic() - t0
+    read = loader.read_bytes
+    # the weights' own time and rate (the engine's start adds the KV cache and graphs); `extra` for tools
+    log.info("%s: %.2f GB of weights read (-lm %s) and placed in %.1f s, %.2f GB/s", gguf.path.name, read / 1e9,
+             gguf.load_mode, seconds, read / seconds / 1e9, extra={"weight_bytes": read, "weight_seconds": seconds})
     return LoadedModel(model, arch, gguf)

@@ -23,6 +23,7 @@ class WeightLoader:
         self.dtype = dtype
         self.show_progress = show_progress
         self.used: set[str] = set()
+        self.read: set[str] = set()  # the tensors read (a lane reads a sliced tensor whole)
 
     def __contains__(self, name: str) -> bool:
         return name in self.gguf
@@ -32,6 +33,7 @@ class WeightLoader:
         (before any lane slices it)."""
         self.used.add(name)
         src = WeightSource(self.gguf.info(name), self.gguf.raw(name), str(self.gguf.path))
+        self.read.add(name)
         if shape is not None:
             check_shape(src, tuple(shape))
         return src
@@ -44,6 +46,10 @@ class WeightLoader:
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Norm weights, biases, frequency factors: always f32."""
         return self.dense(name, tuple(shape), torch.float32)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(self.gguf.tensors[name].n_bytes for name in self.read)
 
     def names(self) -> list[str]:
         return list(self.gguf.tensors)
