@@ -85,12 +85,13 @@ def _layer_bytes(gguf: GGUFFile, arch: ArchConfig) -> list[int]:
     return sizes
 
 
-def scratch_elements(gguf: GGUFFile, layers: range, head: bool) -> tuple[int, int]:
-    """Bounds of the GPU method's two prompt scratches (engine/layers/linear.py TritonMethod), in elements, on a
-    rank holding `layers` (and the output matrix where `head`): the dense one holds the largest matrix it was
-    given dequantized, where one block's matrices fused into one count at most their sum; the expert one the
-    largest stack of a block's experts, gate and up stacked, with the shared expert where there is one.
-    Tensor-parallel slices count whole."""
+def scratch_elements(gguf: GGUFFile, layers: range, head: bool, cap: int) -> int:
+    """Bound of the GPU method's prompt scratch (engine/layers/linear.py TritonMethod), in elements, on a rank
+    holding `layers` (and the output matrix where `head`): the largest matrix it was given dequantized, where
+    one block's matrices fused into one count at most their sum, or the largest stack of a block's experts,
+    gate and up stacked, with the shared expert where there is one; at most `cap` (the tuning file's
+    scratch_mib, in elements: a larger one goes through it in windows of rows). Tensor-parallel slices count
+    whole."""
     dense = experts = 0
     blocks: dict[int, list[TensorInfo]] = {}
     for name, info in gguf.tensors.items():
@@ -109,7 +110,7 @@ def scratch_elements(gguf: GGUFFile, layers: range, head: bool) -> tuple[int, in
     if head:
         out = gguf.info("output.weight") if "output.weight" in gguf else gguf.info("token_embd.weight")
         dense = max(dense, math.prod(out.shape))
-    return dense, experts
+    return min(max(dense, experts), cap)
 
 
 def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
@@ -135,7 +136,12 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
     state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
         1 + launch.config.speculative.enabled)
     head = stage == launch.topo.pp - 1
-    scratch = 2 * sum(scratch_elements(gguf, layers, head)) if launch.device_type == "cuda" else 0
+    scratch = 0
+    if launch.device_type == "cuda":
+        from vegaserve.triton_kernels.tuning import load_tuning
+
+        mib = load_tuning(path=launch.config.kernels.tuning_file).scratch_mib
+        scratch = 2 * scratch_elements(gguf, layers, head, mib * 2**20 // 2)
     return n // launch.topo.tp + kv + state + scratch
 
 

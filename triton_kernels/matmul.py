@@ -154,58 +154,84 @@ def _matvec_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    out_ptr, base,  # pointers: dense output [N, K] (bf16/fp16/f32), weight bytes
+    out_ptr, base,  # pointers: dense output [rows, K] (bf16/fp16/f32), weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields
     N, K,  # sizes
+    row0, n_rows,  # the window of W's rows written: row0 .. row0 + n_rows - 1, to out's rows 0 .. n_rows - 1
     counts_ptr, expert_bytes,  # EXPERTS: assignments per expert (none: the expert is not read), its stride
     WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, EXPERTS: tl.constexpr = 0,
     tab_ptr=None,  # the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for)
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live_rows = N
+    local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = row0 + local
+    live = n_rows
     if EXPERTS:  # program_id(2) = expert e of a stack, into out[e]; skipped where no assignment uses it
         e = tl.program_id(2)
         base += e.to(tl.int64) * expert_bytes
-        out_ptr += e.to(tl.int64) * N * K
-        live_rows = tl.where(tl.load(counts_ptr + e) > 0, N, 0)
-    rmask = rows < live_rows
+        out_ptr += e.to(tl.int64) * n_rows * K
+        live = tl.where(tl.load(counts_ptr + e) > 0, n_rows, 0)
+    rmask = (local < live) & (rows < N)
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     w = dequant_tile(WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask, blk, BLOCK_N, NB,
                      tab_ptr)
     k = tl.program_id(1) * NB * QK + tl.arange(0, NB * QK)
-    tl.store(out_ptr + rows64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(out_ptr + local[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
 
 
 def dequantize_dense(w: PackedWeight, out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
                      block_n: int = 16, nb: int = 8, num_warps: int = 4,
-                     counts: torch.Tensor | None = None) -> torch.Tensor:
+                     counts: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """W as a dense [N, K] matrix on its device: the scratch operand of the vendor GEMM for long prompts. A
     stack of experts (layout.stack_experts) gives [E, N, K]; with `counts` [E] only the experts with
-    assignments are written (the grouped GEMM reads no other)."""
+    assignments are written (the grouped GEMM reads no other). `rows` (first, count): that window of every
+    matrix's rows alone, [count, K] (or [E, count, K])."""
     qk = _qk(w.type_id)
     if qk == 1:
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb
     nb = divisor_at_most(w.k // qk, nb)
+    row0, n_rows = rows if rows is not None else (0, w.n)
+    if not (0 <= row0 and 0 < n_rows and row0 + n_rows <= w.n):
+        raise ValueError(f"rows {row0}..{row0 + n_rows - 1} of a matrix of {w.n}")
     stacked = w.expert_bytes > 0
     if out is None:
-        out = torch.empty(*((w.experts,) if stacked else ()), w.n, w.k, dtype=dtype, device=w.data.device)
-    grid = (triton.cdiv(w.n, block_n), w.k // qk // nb) + ((w.experts,) if stacked else ())
+        out = torch.empty(*((w.experts,) if stacked else ()), n_rows, w.k, dtype=dtype, device=w.data.device)
+    grid = (triton.cdiv(n_rows, block_n), w.k // qk // nb) + ((w.experts,) if stacked else ())
     if stacked and counts is None:
         counts = torch.ones(w.experts, dtype=torch.int64, device=w.data.device)
-    _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, counts if stacked else out, w.expert_bytes,
-                          WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb, EXPERTS=int(stacked),
+    _dequant_kernel[grid](out, w.data, *w.field_args(), w.n, w.k, row0, n_rows, counts if stacked else out,
+                          w.expert_bytes, WTYPE=w.type_id, QK=qk, BLOCK_N=block_n, NB=nb, EXPERTS=int(stacked),
                           tab_ptr=table_for(w.type_id, w.data.device), num_warps=num_warps)
     return out
 
 
+def row_windows(n: int, k: int, room: int | None, matrices: int = 1) -> list[tuple[int, int]]:
+    """(first, count) windows of n rows whose dequantized K columns, for `matrices` matrices at once, fit in
+    `room` elements (None: one window of all); a window holds a multiple of 256 rows where it can (the
+    vendor GEMM's and the grouped GEMM's tiles stay whole)."""
+    if room is None or room >= matrices * n * k:
+        return [(0, n)]
+    step = room // (matrices * k)
+    step = step // 256 * 256 or step
+    if step < 1:
+        raise ValueError(f"a scratch of {room} elements holds no row of {matrices} x {k} columns")
+    return [(r, min(step, n - r)) for r in range(0, n, step)]
+
+
 def dense_gemm(x: torch.Tensor, w: PackedWeight, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Long prompts: dequantize W into `scratch` (x's dtype) and call the vendor GEMM (cuBLAS / hipBLAS)."""
-    n_el = w.n * w.k
-    buf = scratch[:n_el].view(w.n, w.k) if scratch is not None and scratch.numel() >= n_el else None
-    dense = dequantize_dense(w, out=buf, dtype=x.dtype)
-    return x @ dense.T
+    """Long prompts: dequantize W into `scratch` (x's dtype) and call the vendor GEMM (cuBLAS / hipBLAS); a
+    matrix larger than the scratch goes through it a window of rows at a time."""
+    windows = row_windows(w.n, w.k, None if scratch is None else scratch.numel())
+    if len(windows) == 1:
+        buf = scratch[: w.n * w.k].view(w.n, w.k) if scratch is not None else None
+        return x @ dequantize_dense(w, out=buf, dtype=x.dtype).T
+    y = torch.empty(x.shape[0], w.n, dtype=x.dtype, device=x.device)
+    for r0, n in windows:
+        dense = dequantize_dense(w, out=scratch[: n * w.k].view(n, w.k), dtype=x.dtype, rows=(r0, n))
+        torch.mm(x, dense.T, out=y[:, r0 : r0 + n])
+    return y
 
 
 def _qk(type_id: int) -> int:

@@ -25,7 +25,7 @@ import triton.language as tl
 from vegaserve.triton_kernels.dequant import dequantize
 from vegaserve.triton_kernels.layout import PackedWeight, expert, unpack_to_canonical
 from vegaserve.triton_kernels.gemm import expert_run, gemm_tiles, quant_gemm
-from vegaserve.triton_kernels.matmul import dequantize_dense
+from vegaserve.triton_kernels.matmul import dequantize_dense, row_windows
 from vegaserve.triton_kernels.matvec import Choice
 from vegaserve.triton_kernels.matvec_launch import Experts  # the engine's handle on a layer's assignments
 from vegaserve.triton_kernels.q8_1 import Q8_1
@@ -96,21 +96,23 @@ def grouped_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_m: in
                  block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped path: x [R, K] (bf16/fp16, or f32 with IEEE products for exact checks) -> y [A, N] f32.
-    `scratch`: room for the dequantized stack (at least E * N * K elements of x's type)."""
+    `scratch`: room for the dequantized stack; a stack larger than it is dequantized and multiplied a window
+    of every expert's rows at a time (row_windows)."""
     A = experts.count
     order, counts, starts, pstarts = sorted_runs(experts, w.experts, block_m)
-    size = w.experts * w.n * w.k
-    buf = scratch[:size].view(w.experts, w.n, w.k) if scratch is not None and scratch.numel() >= size else None
-    dense = dequantize_dense(w, out=buf, dtype=x.dtype, counts=counts)
     x = x.contiguous()
     y = torch.empty(A, w.n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(A, block_m) + w.experts, triton.cdiv(w.n, block_n))
-    _grouped_gemm_kernel[grid](
-        x, dense, y, order, counts, starts, pstarts, w.n, w.k, w.experts, x.stride(0), y.stride(0),
-        XDIV=experts.x_div, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        E_P2=triton.next_power_of_2(w.experts), DOT_F32=x.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    for r0, n in row_windows(w.n, w.k, None if scratch is None else scratch.numel(), w.experts):
+        buf = scratch[: w.experts * n * w.k].view(w.experts, n, w.k) if scratch is not None else None
+        dense = dequantize_dense(w, out=buf, dtype=x.dtype, counts=counts, rows=(r0, n))
+        out = y[:, r0:]  # the window's columns of y: its pointer, y's row stride
+        grid = (triton.cdiv(A, block_m) + w.experts, triton.cdiv(n, block_n))
+        _grouped_gemm_kernel[grid](
+            x, dense, out, order, counts, starts, pstarts, n, w.k, w.experts, x.stride(0), y.stride(0),
+            XDIV=experts.x_div, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            E_P2=triton.next_power_of_2(w.experts), DOT_F32=x.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return y
 
 

@@ -8,11 +8,13 @@ File format:
                          "medium": {...}, "any": {"1": {"kernel": "pieces"}, "8": {"kernel": "int8"}}}},
      "matvec_canonical": {...},
      "gemm": {"Q4_K": {"28672x4096": {"16": {"block_m": 16, "block_n": 64, "split_k": 4}, ...}, ...}},
-     "prefill": {"dense_from_m": 129, "scratch_dtype": "bfloat16"},
+     "prefill": {"dense_from_m": 129, "scratch_dtype": "bfloat16", "scratch_mib": 1024},
      "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
 `matvec` holds the decode mat-vec of repacked weights (1..8 rows), `matvec_canonical` of weights kept in
 GGUF's blocks (`--no-repack`), `gemm` the quantized GEMM's launch parameters from 9 rows up to
-`dense_from_m` (either layout; gemm.quant_gemm), where the dequantize + vendor GEMM path takes over. `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
+`dense_from_m` (either layout; gemm.quant_gemm), where the dequantize + vendor GEMM path takes over, its
+scratch (one buffer for every layer) at most `scratch_mib` (a larger matrix or stack of experts goes through
+it a window of rows at a time). `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
 and its launch parameters. An entry names its kernel (triton_kernels/matvec.py) and launch parameters; those it
 leaves out come from the kernel's rule. Shape keys: the exact shape ("4096x14336", N x K) first, then its
 class (`small` N*K < 2^22, `medium` < 2^26, `large`), then `any`. A row count takes the entry of the
@@ -36,14 +38,18 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 # GEMM on a dequantized scratch copy in bf16. gfx906: the vendor GEMM from 9 rows, in fp16 (its fastest GEMM
 # type; it has no bf16 units), until the quantized GEMM is measured there (without matrix cores its tl.dot
 # is FMA).
+# The prefill scratch: at most 1 GiB (the largest stack of Qwen3.6-35B-A3B's experts, 256 x 1024 x 2048 in
+# bf16, still in one piece; gpt-oss-120b's gate/up stack, 4.2 GB, in five windows).
 # The AllReduce gate: 512 KiB, vLLM's bound for its one-shot AllReduce, until our own is measured on
 # several GPUs (the timing issue that follows issue 29); blocks of 1024 f32, 4 warps (4 waves on gfx906).
 _ALLREDUCE = {"gate_bytes": 512 * 1024, "block": 1024, "num_warps": 4}
 _FALLBACK: dict[str, dict[str, Any]] = {
     "cuda": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
-             "dense_from_m": 129, "scratch_dtype": "bfloat16", "allreduce": _ALLREDUCE},
+             "dense_from_m": 129, "scratch_dtype": "bfloat16", "scratch_mib": 1024,
+             "allreduce": _ALLREDUCE},
     "hip": {"matvec": {"kernel": "tiles", "block_n": 16, "nb": 16, "split_k": 1, "num_warps": 4},
-            "dense_from_m": 9, "scratch_dtype": "float16", "allreduce": _ALLREDUCE},
+            "dense_from_m": 9, "scratch_dtype": "float16", "scratch_mib": 1024,
+            "allreduce": _ALLREDUCE},
 }
 TABLES = ("matvec", "matvec_canonical")  # the decode mat-vec tables; `gemm` is the GEMM's
 SHAPE_CLASSES = ("small", "medium", "large")
@@ -102,6 +108,10 @@ class Tuning:
     @property
     def scratch_dtype(self) -> str:
         return str(self.table.get("prefill", {}).get("scratch_dtype", _FALLBACK[self.backend]["scratch_dtype"]))
+
+    @property
+    def scratch_mib(self) -> int:
+        return int(self.table.get("prefill", {}).get("scratch_mib", _FALLBACK[self.backend]["scratch_mib"]))
 
     @property
     def allreduce(self) -> dict[str, int]:

@@ -222,8 +222,10 @@ class TritonMethod(QuantMethod):
         self.tuning = load_tuning(path=tuning_file)
         # long prompts: the vendor GEMM on a dequantized copy, in the target's best operand type
         self.gemm_dtype = gemm_dtype or getattr(torch, self.tuning.scratch_dtype)
-        self.scratch: torch.Tensor | None = None  # one buffer for the largest matrix, shared by all layers
-        self.expert_scratch: torch.Tensor | None = None  # the largest stack of experts dequantized (prefill)
+        # one buffer for the largest matrix or stack of experts dequantized, shared by all layers, at most
+        # the tuning file's scratch_mib (a larger one goes through it a window of rows at a time)
+        self.scratch: torch.Tensor | None = None
+        self._scratch_cap = self.tuning.scratch_mib * 2**20 // self.gemm_dtype.itemsize
 
     def create(self, layer: QuantLinear, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels import layout
@@ -256,8 +258,7 @@ class TritonMethod(QuantMethod):
                 layer.gemm.append({m: gemm_params(w, m, self.tuning, sms) for m in self._gemm_buckets()})
             except ValueError as e:
                 raise ModelLoadError(str(e)) from e
-            if self.scratch is None or self.scratch.numel() < w.n * w.k:
-                self.scratch = torch.empty(w.n * w.k, dtype=self.gemm_dtype, device=device)
+            self._grow_scratch(w.n * w.k, device)
 
     def create_experts(self, layer, sources: list[WeightSource]) -> None:
         from vegaserve.triton_kernels.layout import expert, stack_experts
@@ -282,8 +283,13 @@ class TritonMethod(QuantMethod):
                 layer.tuned.append(choose(expert(w, 0), 1, self.tuning))
             except ValueError as err:
                 raise ModelLoadError(str(err)) from err
-            if self.expert_scratch is None or self.expert_scratch.numel() < e * rows * k:
-                self.expert_scratch = torch.empty(e * rows * k, dtype=self.gemm_dtype, device=layer.device)
+            self._grow_scratch(e * rows * k, layer.device)
+
+    def _grow_scratch(self, elements: int, device: torch.device) -> None:
+        want = min(elements, self._scratch_cap)
+        if self.scratch is None or self.scratch.numel() < want:
+            self.scratch = None  # the old buffer goes back before the larger one is taken
+            self.scratch = torch.empty(want, dtype=self.gemm_dtype, device=device)
 
     def apply_experts(self, layer, x: torch.Tensor, ids: torch.Tensor, x_div: int, tokens: int,
                       q8_1: tuple | None = None, sorts: dict | None = None) -> torch.Tensor:
@@ -299,7 +305,7 @@ class TritonMethod(QuantMethod):
         # the stack dequantized into the scratch from there
         quant = ids.numel() < self.tuning.dense_from_m * layer.packed[0].experts
         outs = [expert_matmul(x, w, experts, c, grouped, q8_1=q8_1 if c.kernel.int8 else None,
-                              scratch=self.expert_scratch, quant=quant)
+                              scratch=self.scratch, quant=quant)
                 for w, c in zip(layer.packed, layer.tuned, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 

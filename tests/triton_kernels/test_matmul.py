@@ -60,6 +60,33 @@ def test_prefill_dequantizes_exactly_and_matches_reference_f32_and_fp16_operands
     assert rel_err(dense_gemm(x.half(), w).float(), ref) < 3e-3
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_prefill_through_a_scratch_smaller_than_the_matrix_goes_a_window_of_rows_at_a_time(type_name):
+    """dense_gemm with room for 16 of 37 rows: three windows (16, 16, 5), the product equal to the whole
+    matrix's column for column; a window of dequantize_dense is those rows of the whole, bit for bit."""
+    from vegaserve.triton_kernels.matmul import dense_gemm, dequantize_dense
+
+    k = 256
+    w, gen = make(type_name, 37, k, repack, 3)
+    whole = dequantize_dense(w, dtype=torch.float32, block_n=16)
+    assert torch.equal(dequantize_dense(w, dtype=torch.float32, block_n=16, rows=(16, 21)), whole[16:])
+    x = torch.randn(17, k, generator=gen).to(DEVICE)
+    y = dense_gemm(x, w, torch.empty(16 * k, device=DEVICE))
+    assert torch.isfinite(y).all() and rel_err(y, x @ whole.T) < 1e-6
+
+
+def test_row_windows_fit_the_room_in_whole_tiles_and_cover_every_row():
+    from vegaserve.triton_kernels.matmul import row_windows
+
+    assert row_windows(5760, 2880, None, 128) == [(0, 5760)]
+    assert row_windows(5760, 2880, 128 * 5760 * 2880, 128) == [(0, 5760)]  # room for all: one window
+    windows = row_windows(5760, 2880, 2**29, 128)  # 1 GiB of bf16: 1456 rows, 1280 in whole tiles of 256
+    assert windows == [(0, 1280), (1280, 1280), (2560, 1280), (3840, 1280), (5120, 640)]
+    assert row_windows(37, 256, 16 * 256) == [(0, 16), (16, 16), (32, 5)]  # under 256 rows: as many as fit
+    with pytest.raises(ValueError, match="holds no row"):
+        row_windows(37, 256, 255)
+
+
 def test_split_k_tile_matvec_with_a_shorter_last_split_matches_the_reference():
     """10 blocks in splits of 4: the last split holds 2, its partials summed with the others."""
     w, gen = make("Q4_0", 40, 320, repack, 3)

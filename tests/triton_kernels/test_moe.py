@@ -150,3 +150,18 @@ def test_expert_launches_refuse_a_plain_matrix_and_a_mismatched_count():
     lanes = Choice(KERNELS["lanes"], {"block_n": 16, "nb": 4, "split_k": 1, "num_warps": 1, "carry": 1})
     with pytest.raises(ValueError, match="assignment is one"):
         expert_matmul(x, w, Experts(torch.zeros(6, dtype=torch.int64, device=DEVICE), 2), lanes, False)
+
+
+@pytest.mark.parametrize("rows", [8, 10], ids=["even-windows", "short-last-window"])
+def test_grouped_path_through_a_scratch_smaller_than_the_stack_goes_a_window_of_rows_at_a_time(rows):
+    """A scratch that holds `rows` of every expert's 24: the stack dequantized and multiplied a window at a
+    time gives the one-window product exactly (each output is the same sum), every column written."""
+    w = _stack("Q4_K", 5)
+    gen = torch.Generator().manual_seed(6)
+    experts = Experts(torch.tensor([0, 3, 3, 1, 4, 0, 2, 0, 4, 1, 1, 3], device=DEVICE), 2)
+    x = torch.randn(6, K, generator=gen).to(DEVICE)
+    whole = grouped_gemm(x, w, experts, block_m=16, block_n=16, block_k=32)
+    scratch = torch.empty(E * rows * K, device=DEVICE)
+    y = grouped_gemm(x, w, experts, block_m=16, block_n=16, block_k=32, scratch=scratch)
+    assert torch.equal(y, whole)
+    assert _rel(y, reference_expert_matmul(x.cpu(), w, experts)) < 1e-5
