@@ -73,6 +73,7 @@ def load_model(
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the repacking's temporaries: the allocator's cache back to the device
     seconds = time.monotonic() - t0
     read = loader.read_bytes
     # the weights' own time and rate (the engine's start adds the KV cache and graphs); `extra` for tools
