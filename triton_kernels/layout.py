@@ -134,15 +134,22 @@ def repack(raw: torch.Tensor, type_id: int, n: int, k: int) -> PackedWeight:
     return PackedWeight(data, type_id, n, k, tuple(fields), repacked=True)
 
 
-def stack_experts(raw: torch.Tensor, type_id: int, experts: int, n: int, k: int, repacked: bool = True) -> PackedWeight:
-    """E matrices [n, k] of GGUF rows (raw: experts * n rows, expert-major) as one PackedWeight, each expert
-    in the layout `repacked` picks, expert_bytes apart."""
+def stack_experts(raw: torch.Tensor, type_id: int, experts: int, n: int, k: int, repacked: bool = True,
+                  device: torch.device | None = None) -> PackedWeight:
+    """E matrices [n, k] of GGUF rows (raw: experts * n rows, expert-major) as one PackedWeight on `device`
+    (default: raw's), each expert in the layout `repacked` picks, expert_bytes apart. The experts are moved
+    and laid out one at a time into the stack's buffer, so a load holds the stack and one expert more, not
+    the raw stack beside its copies."""
     rows = raw.reshape(experts, n, -1)
+    device = raw.device if device is None else torch.device(device)
     build = repack if repacked else canonical
-    parts = [build(rows[e], type_id, n, k) for e in range(experts)]
-    first = parts[0]
-    data = torch.cat([p.data for p in parts]) if experts > 1 else first.data
-    return PackedWeight(data, type_id, n, k, first.fields, repacked, experts, first.data.numel())
+    first = build(rows[0].to(device), type_id, n, k)
+    size = first.data.numel()
+    data = torch.empty(experts * size, dtype=torch.uint8, device=device)
+    data[:size] = first.data
+    for e in range(1, experts):
+        data[e * size : (e + 1) * size] = build(rows[e].to(device), type_id, n, k).data
+    return PackedWeight(data, type_id, n, k, first.fields, repacked, experts, size)
 
 
 def expert(w: PackedWeight, e: int) -> PackedWeight:

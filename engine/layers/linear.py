@@ -276,8 +276,8 @@ class TritonMethod(QuantMethod):
             else:
                 groups.append((src.info.type_id, [raw], rows))
         for type_id, raws, rows in groups:
-            raw = torch.cat(raws, dim=1).to(layer.device)  # each expert's matrices stacked along its rows
-            w = stack_experts(raw, type_id, e, rows, k, self.repack)
+            raw = torch.cat(raws, dim=1)  # each expert's matrices stacked along its rows (on the host)
+            w = stack_experts(raw, type_id, e, rows, k, self.repack, layer.device)
             layer.packed.append(w)
             try:  # the decode kernel: one expert at one row (each assignment is one)
                 layer.tuned.append(choose(expert(w, 0), 1, self.tuning))

@@ -165,3 +165,16 @@ def test_grouped_path_through_a_scratch_smaller_than_the_stack_goes_a_window_of_
     y = grouped_gemm(x, w, experts, block_m=16, block_n=16, block_k=32, scratch=scratch)
     assert torch.equal(y, whole)
     assert _rel(y, reference_expert_matmul(x.cpu(), w, experts)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", [True, False], ids=["repack", "canonical"])
+def test_a_stack_holds_each_expert_as_that_expert_laid_out_alone(layout):
+    """stack_experts lays the experts out one at a time into one buffer: expert e of the stack is byte for
+    byte expert e's rows repacked (or wrapped) on their own, wherever the raw stack was."""
+    tid = IDS["Q4_K"]
+    raw = random_blocks(tid, E * N, K // GGML_TYPES[tid].block_size, torch.Generator().manual_seed(7))
+    w = stack_experts(raw, tid, E, N, K, layout, DEVICE)
+    build = repack if layout else canonical
+    for e in range(E):
+        alone = build(raw.view(E, N, -1)[e].to(DEVICE), tid, N, K)
+        assert torch.equal(expert(w, e).data, alone.data) and expert(w, e).fields == alone.fields
