@@ -6,7 +6,7 @@ against copy bandwidth over the bytes of the experts the step chose (the MoE iss
 
 Each stack is one layer's experts as the engine loads them (layout.stack_experts, repacked), random valid
 blocks in the preset's types; the kernel and launch parameters are the ones a model load picks
-(matvec.choose of one expert at one row, the tuning file's). Every call draws its own top-k expert ids
+(matvec.choose_experts at the launch's assignments, the tuning file's). Every call draws its own top-k expert ids
 (distinct within a token, random across tokens) and reads its own copy of the stack (timing.copies_for), so
 no call finds its experts in L2; calls are replayed in one CUDA graph, x's q8_1 copy made outside the timed
 calls, as the layer's norm hands it over. The bytes counted are the GGUF bytes of the experts in use, each
@@ -24,6 +24,7 @@ import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import expert, stack_experts
+from vegaserve.triton_kernels.matvec import Choice, choose_experts
 from vegaserve.triton_kernels.moe import Experts, expert_matmul, reference_expert_matmul
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
@@ -89,8 +90,12 @@ def main() -> None:
             ids = [draw_ids(tokens, top_k, experts, gen).cuda() for _ in copies]
             read = sum(len(e.unique()) for e in ids) / len(ids)
             timed = []
+            base = choose_experts(w0, tokens * top_k, tuning)
             for cfg in sweep:
-                choice = matvec_choice(expert(w0, 0), 1, tuning, cfg)
+                if cfg.get("kernel", base.kernel.name) == base.kernel.name:
+                    choice = Choice(base.kernel, {**base.params, **{k: v for k, v in cfg.items() if k != "kernel"}})
+                else:
+                    choice = matvec_choice(expert(w0, 0), 1, tuning, cfg)
                 err, ms = time_choice(x, copies, ids, div, choice)
                 timed.append((ms, err, choice))
             if len(timed) > 1:

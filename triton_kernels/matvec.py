@@ -25,7 +25,7 @@ from functools import lru_cache
 import torch
 
 from vegaserve.triton_kernels import matvec_int8, matvec_launch, matvec_mma, matvec_pieces
-from vegaserve.triton_kernels.layout import PackedWeight
+from vegaserve.triton_kernels.layout import PackedWeight, expert
 from vegaserve.triton_kernels.matmul import SUPPORTED, tile_matvec
 from vegaserve.triton_kernels.q8_1 import Q8_1, reference_quantize_q8_1
 from vegaserve.triton_kernels.tuning import Tuning, load_tuning
@@ -87,9 +87,48 @@ def choose(w: PackedWeight, m: int, tuning: Tuning | None = None) -> Choice:
     """The kernel and launch parameters of `w` at m rows: the tuning file's entry over the kernel's rule."""
     tuning = tuning or load_tuning()
     entry = tuning.matvec(w.type_name, w.n, w.k, m, w.repacked)
+    return _choice(w, m, entry, f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} "
+                   f"entry at {m} rows")
+
+
+def choose_experts(w: PackedWeight, assignments: int, tuning: Tuning | None = None) -> Choice:
+    """The decode kernel of a stack of experts (layout.stack_experts) in a launch of `assignments` (each one
+    expert at one row): the tuning file's `experts` entry where it has one (its kernel, else the `matvec`
+    entry's, and its parameters over that kernel's rule), else the `matvec` entry of one expert at one row."""
+    tuning = tuning or load_tuning()
+    one = expert(w, 0)
+    entry = tuning.matvec(w.type_name, w.n, w.k, 1, w.repacked)
+    over = tuning.experts(w.type_name, w.n, w.k, assignments) if w.repacked else None
+    where = f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k}"
+    if over is None:
+        return _choice(one, 1, entry, f"{where} entry at 1 row")
+    return _choice(one, 1, {"kernel": entry.get("kernel", "tiles"), **over},
+                   f"{where} experts entry at {assignments} assignments")
+
+
+class ExpertChoices:
+    """A stack's decode kernels by assignments a launch: choose_experts at each count the tuning file
+    measured (all chosen, and checked, here at load); a launch takes the nearest measured count at or above
+    its own, else the largest (as the file's row counts)."""
+
+    def __init__(self, w: PackedWeight, tuning: Tuning | None = None) -> None:
+        tuning = tuning or load_tuning()
+        counts = tuning.expert_counts(w.type_name, w.n, w.k) if w.repacked else []
+        self.by_count = {a: choose_experts(w, a, tuning) for a in counts or [1]}
+
+    def at(self, assignments: int) -> Choice:
+        return self.by_count[next((a for a in self.by_count if a >= assignments), max(self.by_count))]
+
+    @property
+    def int8(self) -> bool:
+        """Whether any of its launches multiplies x's q8_1 copy."""
+        return any(c.kernel.int8 for c in self.by_count.values())
+
+
+def _choice(w: PackedWeight, m: int, entry: dict, where: str) -> Choice:
+    """`entry` ({"kernel": name, launch parameters...}) over its kernel's rule for w at m rows, checked."""
     name = entry.get("kernel", "tiles")
     kernel = KERNELS.get(name)
-    where = f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} entry at {m} rows"
     if kernel is None:
         raise ValueError(f"{where} names kernel {name!r}; the kernels are {', '.join(KERNELS)}")
     if w.type_id not in kernel.types or not (w.repacked or kernel.canonical):

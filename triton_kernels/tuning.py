@@ -7,11 +7,15 @@ File format:
      "matvec": {"Q4_K": {"28672x4096": {"1": {"kernel": "pieces", "block_n": 16, ...}, "8": {...}},
                          "medium": {...}, "any": {"1": {"kernel": "pieces"}, "8": {"kernel": "int8"}}}},
      "matvec_canonical": {...},
+     "experts": {"MXFP4": {"5760x2880": {"4": {"split_k": 4}, "32": {"split_k": 1}}}},
      "gemm": {"Q4_K": {"28672x4096": {"16": {"block_m": 16, "block_n": 64, "split_k": 4}, ...}, ...}},
      "prefill": {"dense_from_m": 129, "scratch_dtype": "bfloat16", "scratch_mib": 1024},
      "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
 `matvec` holds the decode mat-vec of repacked weights (1..8 rows), `matvec_canonical` of weights kept in
-GGUF's blocks (`--no-repack`), `gemm` the quantized GEMM's launch parameters from 9 rows up to
+GGUF's blocks (`--no-repack`), `experts` the decode mat-vec of a repacked stack of experts (one expert's
+N x K) by assignments a launch (tokens x experts a token; each is one expert at one row): an entry there
+replaces the `matvec` entry of one expert at one row (its kernel where it names none), so a launch of many
+assignments can split K less than one of few; `gemm` the quantized GEMM's launch parameters from 9 rows up to
 `dense_from_m` (either layout; gemm.quant_gemm), where the dequantize + vendor GEMM path takes over, its
 scratch (one buffer for every layer) at most `scratch_mib` (a larger matrix or stack of experts goes through
 it a window of rows at a time). `allreduce` holds the custom AllReduce's size gate (larger messages take NCCL / RCCL)
@@ -93,13 +97,24 @@ class Tuning:
         file's entry where it has one, else {} (the launcher's rule, gemm.gemm_rule)."""
         return self._entry("gemm", type_name, n, k, m) or {}
 
+    def experts(self, type_name: str, n: int, k: int, assignments: int) -> dict[str, Any] | None:
+        """The `experts` entry of a stack of N x K experts at `assignments` a launch, or None."""
+        return self._entry("experts", type_name, n, k, assignments)
+
+    def expert_counts(self, type_name: str, n: int, k: int) -> list[int]:
+        """The assignment counts the `experts` table measured for a stack of N x K experts, ascending."""
+        return sorted(int(a) for a in self._by_m("experts", type_name, n, k))
+
     def _entry(self, table: str, type_name: str, n: int, k: int, m: int) -> dict[str, Any] | None:
-        by_type = self.table.get(table, {}).get(type_name, {})
-        by_m = by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k)) or by_type.get("any") or {}
+        by_m = self._by_m(table, type_name, n, k)
         measured = sorted(int(x) for x in by_m)
         if not measured:
             return None
         return dict(by_m[str(next((x for x in measured if x >= m), measured[-1]))])
+
+    def _by_m(self, table: str, type_name: str, n: int, k: int) -> dict[str, Any]:
+        by_type = self.table.get(table, {}).get(type_name, {})
+        return by_type.get(f"{n}x{k}") or by_type.get(shape_class(n, k)) or by_type.get("any") or {}
 
     @property
     def dense_from_m(self) -> int:

@@ -261,9 +261,9 @@ class TritonMethod(QuantMethod):
             self._grow_scratch(w.n * w.k, device)
 
     def create_experts(self, layer, sources: list[WeightSource]) -> None:
-        from vegaserve.triton_kernels.layout import expert, stack_experts
+        from vegaserve.triton_kernels.layout import stack_experts
         from vegaserve.triton_kernels.matmul import SUPPORTED
-        from vegaserve.triton_kernels.matvec import choose
+        from vegaserve.triton_kernels.matvec import ExpertChoices
 
         e, k = layer.n_experts, layer.in_features
         groups: list[tuple[int, list[torch.Tensor], int]] = []  # (type, raws [E, rows, row bytes], rows)
@@ -279,8 +279,8 @@ class TritonMethod(QuantMethod):
             raw = torch.cat(raws, dim=1)  # each expert's matrices stacked along its rows (on the host)
             w = stack_experts(raw, type_id, e, rows, k, self.repack, layer.device)
             layer.packed.append(w)
-            try:  # the decode kernel: one expert at one row (each assignment is one)
-                layer.tuned.append(choose(expert(w, 0), 1, self.tuning))
+            try:  # the decode kernels by assignments a launch (each assignment is one expert at one row)
+                layer.tuned.append(ExpertChoices(w, self.tuning))
             except ValueError as err:
                 raise ModelLoadError(str(err)) from err
             self._grow_scratch(e * rows * k, layer.device)
@@ -298,7 +298,8 @@ class TritonMethod(QuantMethod):
 
         experts = Experts(ids, x_div, sorts)
         grouped = not self._decode(tokens)
-        if not grouped and q8_1 is None and any(c.kernel.int8 for c in layer.tuned):
+        choices = [c.at(ids.numel()) for c in layer.tuned]
+        if not grouped and q8_1 is None and any(c.kernel.int8 for c in choices):
             q8_1 = quantize_q8_1(x)  # once for every int8 stack of the layer
         # the quantized GEMM while an expert's even share of the assignments stays below dense_from_m rows,
         # where a dense matrix's rows would take it (2048 prompt tokens at 8 of 256 experts: 64 rows each);
@@ -306,11 +307,11 @@ class TritonMethod(QuantMethod):
         quant = ids.numel() < self.tuning.dense_from_m * layer.packed[0].experts
         outs = [expert_matmul(x, w, experts, c, grouped, q8_1=q8_1 if c.kernel.int8 else None,
                               scratch=self.scratch, quant=quant)
-                for w, c in zip(layer.packed, layer.tuned, strict=True)]
+                for w, c in zip(layer.packed, choices, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def experts_want_q8_1(self, layer, tokens: int) -> bool:
-        return self.q8_1_cache and self._decode(tokens) and any(c.kernel.int8 for c in layer.tuned)
+        return self.q8_1_cache and self._decode(tokens) and any(c.int8 for c in layer.tuned)
 
     def _decode(self, m: int) -> bool:
         return m < self.tuning.dense_from_m and m <= 8

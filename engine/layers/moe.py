@@ -36,7 +36,7 @@ class ExpertLinear(nn.Module):
         self.method = method
         self.weight: nn.Parameter | None = None  # ReferenceMethod: [E, N, K]
         self.packed: list = []  # TritonMethod: one stack of E experts per type (layout.stack_experts)
-        self.tuned: list = []  # and the decode kernel of each (matvec.Choice of one expert at one row)
+        self.tuned: list = []  # and the decode kernels of each (matvec.ExpertChoices)
         self.bias: torch.Tensor | None = None  # [E, N] f32
         self.device = torch.device("cpu")
 

@@ -298,3 +298,49 @@ def test_the_expert_launches_of_one_step_share_one_sort_of_its_assignments(tmp_p
         shared_down = layers[1](shared, ids, 1, tokens, sorts=memo)
         assert len(sorts_made) == 1, dense_from_m
         assert torch.equal(shared, alone) and torch.equal(shared_down, alone_down), dense_from_m
+
+
+def test_a_stack_of_experts_launches_with_the_entry_for_its_assignments(tmp_path, monkeypatch):
+    """The tuning file's `experts` table, by assignments a launch: a Q8_0 stack whose `matvec` entry names
+    the int8 kernel, with `experts` entries at 4 assignments (split_k 2) and 8 (the tile kernel). Two experts
+    a token: 1-2 tokens (2, 4 assignments) launch the first, 3-4 tokens (6, 8) the second, 8 tokens (16)
+    the largest; without the table every count takes the int8 kernel's rule. Each product equals the
+    reference. A kernel the table names that does not exist is refused at load, the entry named."""
+    from vegaserve.engine.layers.moe import ExpertLinear
+    from vegaserve.triton_kernels import moe
+
+    E, N, K = 4, 32, 256
+    gen = torch.Generator().manual_seed(11)
+    raw = random_blocks(IDS["Q8_0"], E * N, K // 32, gen).to(DEVICE)
+    info = TensorInfo("ffn_down_exps", IDS["Q8_0"], "Q8_0", (E, N, K), raw.numel(), 0, 0)
+    matvec_table = {"Q8_0": {"any": {"1": {"kernel": "int8"}}}}
+
+    def load(table: dict) -> ExpertLinear:
+        f = tmp_path / "t.json"
+        f.write_text(json.dumps(table))
+        layer = ExpertLinear(E, K, [N], TritonMethod(tuning_file=str(f), gemm_dtype=torch.float32))
+        layer.load([WeightSource(info, raw.reshape(-1), "t.gguf")], torch.device(DEVICE))
+        return layer
+
+    launched: list[tuple[str, int]] = []
+    real = moe.expert_matmul
+    monkeypatch.setattr(moe, "expert_matmul", lambda x, w, e, c, *a, **p: launched.append(
+        (c.kernel.name, c.params["split_k"])) or real(x, w, e, c, *a, **p))
+    tuned = load({"matvec": matvec_table, "experts": {"Q8_0": {"any": {"4": {"split_k": 2}, "8": {"kernel": "tiles"}}}}})
+    plain = load({"matvec": matvec_table})
+    rule_split = plain.tuned[0].at(1).params["split_k"]
+    for tokens, want in ((1, ("int8", 2)), (2, ("int8", 2)), (3, ("tiles", 1)), (4, ("tiles", 1)), (8, ("tiles", 1))):
+        x = torch.randn(tokens, K, generator=gen).to(DEVICE)
+        ids = torch.randint(0, E, (tokens * 2,), generator=gen).to(DEVICE)
+        for layer, expect in ((tuned, want), (plain, ("int8", rule_split))):
+            launched.clear()
+            y = layer(x, ids, 2, tokens)
+            assert launched == [expect], (tokens, launched)
+            ref = moe.reference_expert_matmul(x.cpu(), _cpu(layer.packed[0]), moe.Experts(ids.cpu(), 2))
+            if expect[0] == "int8":  # the int8 kernel multiplies x's q8_1 form
+                q, d, _ = q8_1.reference_quantize_q8_1(x.cpu())
+                xq = (q.double().view(tokens, -1, 32) * d.double()[..., None]).view(tokens, K)
+                ref = moe.reference_expert_matmul(xq, _cpu(layer.packed[0]), moe.Experts(ids.cpu(), 2))
+            assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, (tokens, expect)
+    with pytest.raises(ModelLoadError, match="experts entry at 4 assignments names kernel 'nope'"):
+        load({"matvec": matvec_table, "experts": {"Q8_0": {"any": {"4": {"kernel": "nope"}}}}})
