@@ -117,17 +117,18 @@ def test_shipped_tuning_files_parse_and_use_known_keys():
     for p in files:
         table = json.loads(p.read_text())
         assert table["target"] == p.stem
-        assert set(table) <= {"target", "source", "matvec", "matvec_canonical", "prefill"}
-        assert set(table.get("prefill", {})) <= {"dense_from_m", "scratch_dtype"}
-        for op in ("matvec", "matvec_canonical"):
+        assert set(table) <= {"target", "source", "matvec", "matvec_canonical", "experts", "prefill"}
+        assert set(table.get("prefill", {})) <= {"dense_from_m", "scratch_dtype", "scratch_mib"}
+        for op in ("matvec", "matvec_canonical", "experts"):
+            top = 8 if op != "experts" else 1 << 16  # rows a launch; experts: assignments a launch
             for type_name, by_shape in table.get(op, {}).items():
                 assert type_name in IDS
                 for shape, by_m in by_shape.items():
                     assert shape in ("small", "medium", "large", "any") or all(
                         v.isdigit() for v in shape.split("x")), shape
-                    assert by_m and all(m.isdigit() and 1 <= int(m) <= 8 for m in by_m), (p.name, shape)
+                    assert by_m and all(m.isdigit() and 1 <= int(m) <= top for m in by_m), (p.name, shape)
                     for cfg in by_m.values():
-                        assert cfg["kernel"] in KERNELS
+                        assert cfg.get("kernel", "tiles") in KERNELS
                         assert cfg.get("block_n", 8) >= 8
                         assert all(cfg.get(key, 0) in (0, 1) for key in ("carry", "unpack"))
 
