@@ -93,6 +93,9 @@ class KernelConfig:
     shexp_split: bool = True  # LLAMA_SHEXP_SPLIT: a shared expert split over tensor-parallel lanes, not held whole
     cpu_int4: bool = True  # VEGASERVE_CPU_INT4: Q4_0/Q4_1/Q8_0 through torch's int4 CPU kernel; off: f32 throughout
     tuning_file: str | None = None
+    # a GPU engine runs the prompt path once at start (EngineCore.warm_up), so its kernels are compiled before
+    # the first request rather than during it; --no-warmup (llama-server's flag) skips it
+    warmup: bool = True
 
 
 SpecType = Literal["none", "ngram", "draft", "draft-mtp"]

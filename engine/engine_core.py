@@ -87,6 +87,10 @@ class EngineCore:
             self.gguf.path.name, self.arch.architecture, self.arch.n_layers, self.device,
             time.monotonic() - t0, self.max_model_len, n_seqs, self.runner.cache.nbytes / 2**20,
         )
+        if config.kernels.warmup and self.device.type == "cuda":
+            t1 = time.monotonic()
+            steps = self.warm_up()
+            log.info("warmed up the prompt path (%d steps) in %.1f s", steps, time.monotonic() - t1)
 
     # -- requests in ------------------------------------------------------------------------------------
     def check(self, req: GenerateRequest) -> int:
@@ -224,6 +228,56 @@ class EngineCore:
             table.release()
             if state:
                 self.states.free(state[0])
+
+    def warm_up(self) -> int:
+        """Run the prompt path at the shapes a server's first traffic takes, so that its kernels compile here
+        rather than during the first requests (the decode graphs compiled theirs at capture; on a GPU without
+        this, the first burst of 64 prompts waited some 20 s for compiles): a step of one prompt as long as a
+        step holds, one of many 128-token prompts, one of a few single tokens beside a chunk of a prompt
+        (rows in the quantized GEMM's range, not a multiple of 16), and that prompt's next chunk, after
+        tokens already in its cache. Its blocks and state slots come from the pools as a request's do and
+        go back uncached, as forward_logits'; nothing a request sees changes. Returns the steps run."""
+        bs = self.pool.block_size
+        # a step's tokens, within the context and what the pool holds with room for the other sequences
+        budget = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1,
+                     (self.pool.num_free - 16) * bs)
+        if budget < 16:
+            return 0
+        seqs = self.config.scheduler.max_num_seqs
+        chunk = min(100, budget)
+        steps: list[list[tuple[int, int]]] = [  # (sequence, new tokens): sequence 0 is the chunked prompt
+            [(1, budget)],
+            [(2 + i, min(128, budget)) for i in range(max(1, min(seqs, budget // 128)))],
+            [(0, chunk)] + [(100 + i, 1) for i in range(min(5, seqs - 1))],
+        ]
+        if chunk + 37 < self.max_model_len and seqs > 0:
+            steps.append([(0, 37)])
+        vocab = self.arch.vocab_size
+        held: dict[int, tuple[BlockTable, int | None]] = {}  # sequence -> its blocks and state slot
+
+        def release(keep: int | None) -> None:
+            for key in [k for k in held if k != keep]:
+                table, slot = held.pop(key)
+                table.release()
+                if slot is not None:
+                    self.states.free(slot)
+
+        try:
+            for step in steps:
+                plan = []
+                for key, n in step:
+                    if key not in held:
+                        held[key] = (BlockTable(self.pool), self.states.allocate() if self.states is not None else None)
+                    table, _ = held[key]
+                    start = table.num_slots
+                    table.append_slots(n)
+                    plan.append((table.blocks_of(start + n), start, [(7 * (start + j) + 1) % vocab for j in range(n)]))
+                slots = tuple(held[key][1] for key, _ in step) if self.states is not None else ()
+                self.executor.forward(StepPlan(plan, [False] * len(plan), bs, slots))
+                release(keep=0)
+        finally:
+            release(keep=None)
+        return len(steps)
 
     def generate_sync(self, req: GenerateRequest) -> list[RequestOutput]:
         """Run one request to completion (perplexity, tests, benchmarks)."""

@@ -27,6 +27,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "model": ("model", "path"),
     "load_mode": ("model", "load_mode"),
     "no_repack": ("model", "no_repack"),
+    "warmup": ("kernels", "warmup"),
     "alias": ("model", "served_model_name"),
     "ctx_size": ("cache", "context_size"),
     "cache_type_k": ("cache", "kv_dtype"),
@@ -59,6 +60,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("-lm", "--load-mode", choices=["mmap", "read", "dio"], help="how weights are read (default mmap)")
     g.add_argument("--no-repack", action="store_const", const=True, help="keep canonical GGUF blocks on the device")
+    g.add_argument("--no-warmup", dest="warmup", action="store_const", const=False,
+                   help="skip the start's run of the prompt path on a GPU (its kernels then compile during the "
+                   "first requests)")
     g.add_argument("-c", "--ctx-size", type=int, help="context length a sequence may reach (0: the model's, "
                    "or what fits the device)")
     g.add_argument("-ctk", "--cache-type-k", choices=list(_KV_TYPES), help="KV cache type (default: f32 on a CPU; "

@@ -176,3 +176,44 @@ def test_logits_in_a_mixed_batch_of_8_equal_each_sequence_alone(smollm2_core):
             table.release()
     for row, ref in zip(logits, alone, strict=True):
         assert float((row - ref[-1]).norm() / ref[-1].norm()) < 1e-4
+
+
+def _warm_up_recorded(core, monkeypatch):
+    """core.warm_up() with each step's plan recorded: [(start, new tokens) a sequence] a step."""
+    steps = []
+    real = core.executor.forward
+    monkeypatch.setattr(core.executor, "forward", lambda plan, *a: steps.append(
+        [(start, len(tokens)) for _, start, tokens in plan.seqs]) or real(plan, *a))
+    assert core.warm_up() == len(steps)
+    return steps
+
+
+def test_the_warm_up_runs_the_prompt_shapes_and_leaves_nothing_behind(smollm2_core, monkeypatch):
+    """EngineCore.warm_up (a GPU engine runs it at start): a step of one prompt as long as a step holds
+    (2048 tokens), one of 4 prompts of 128 (the 4 sequences), one of a 100-token chunk beside 3 single tokens,
+    and that chunk's next 37 after it. Afterwards every block and no prefix-cache query is the pool's as
+    before, and a greedy request generates what it generated before the warm-up."""
+    core = smollm2_core
+    ids = prompt(core)
+    before = run(core, ids, max_tokens=8, temperature=0, ignore_eos=True)[2]
+    free, queries, hits = core.pool.num_free, core.pool.queries, core.pool.hits
+    steps = _warm_up_recorded(core, monkeypatch)
+    assert steps == [[(0, 1023)], [(0, 128)] * 4, [(0, 100)] + [(0, 1)] * 3, [(100, 37)]]
+    assert (core.pool.num_free, core.pool.queries, core.pool.hits) == (free, queries, hits)
+    assert core.pool.num_referenced == 0
+    assert run(core, ids, max_tokens=8, temperature=0, ignore_eos=True)[2] == before
+
+
+def test_the_warm_up_of_a_hybrid_model_gives_back_its_state_slots(converted, monkeypatch):
+    """The same on qwen35 (linear attention): each warm-up sequence holds a recurrent-state slot while it
+    runs (the chunk's across its two steps) and every slot is free after; a greedy request is unchanged."""
+    from pathlib import Path
+
+    core = converted.core(Path(__file__).resolve().parents[1] / "data" / "hybrid", "qwen35")
+    ids = [5, 17, 3, 99, 42, 8]
+    before = run(core, ids, max_tokens=6, temperature=0, ignore_eos=True)[2]
+    slots, free = core.states.num_free, core.pool.num_free
+    steps = _warm_up_recorded(core, monkeypatch)
+    assert steps == [[(0, 255)], [(0, 128)], [(0, 100)] + [(0, 1)] * 3, [(100, 37)]]
+    assert (core.states.num_free, core.pool.num_free) == (slots, free)
+    assert run(core, ids, max_tokens=6, temperature=0, ignore_eos=True)[2] == before

@@ -37,8 +37,10 @@ def test_llama_server_spellings_land_in_the_config_tree() -> None:
         "serve", "-m", "model.gguf", "-c", "4096", "-np", "4", "-lm", "dio", "--host", "0.0.0.0", "--port", "9000",
         "--api-key", "sekrit", "-sm", "row", "-tps", "2", "--no-repack", "-a", "my-model", "-b", "512",
         "--seed", "5", "--device", "cpu", "--log-level", "debug", "-ndev", "4", "--device-memory", "15.5",
+        "--no-warmup",
     )  # fmt: skip
     assert (c.model.path, c.model.load_mode, c.model.no_repack) == ("model.gguf", "dio", True)
+    assert c.kernels.warmup is False and EngineConfig().kernels.warmup is True
     assert c.model.served_model_name == "my-model"
     assert c.cache.context_size == 4096
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (4, 512)
