@@ -24,7 +24,7 @@ import torch
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.layout import expert, stack_experts
-from vegaserve.triton_kernels.matvec import Choice, choose_experts
+from vegaserve.triton_kernels.matvec import choose_experts
 from vegaserve.triton_kernels.moe import Experts, expert_matmul, reference_expert_matmul
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 from vegaserve.triton_kernels.quants.random_blocks import random_blocks
@@ -92,10 +92,7 @@ def main() -> None:
             timed = []
             base = choose_experts(w0, tokens * top_k, tuning)
             for cfg in sweep:
-                if cfg.get("kernel", base.kernel.name) == base.kernel.name:
-                    choice = Choice(base.kernel, {**base.params, **{k: v for k, v in cfg.items() if k != "kernel"}})
-                else:
-                    choice = matvec_choice(expert(w0, 0), 1, tuning, cfg)
+                choice = matvec_choice(expert(w0, 0), 1, tuning, cfg, base)
                 err, ms = time_choice(x, copies, ids, div, choice)
                 timed.append((ms, err, choice))
             if len(timed) > 1:

@@ -55,10 +55,10 @@ def make_weight(type_name: str, n: int, k: int, layout):
     return layout(raw, tid, n, k), raw.numel()
 
 
-def matvec_choice(w, m: int, tuning: Tuning, cfg: dict) -> Choice:
-    """The file's choice for w at m rows, with a --sweep entry on top; one that names another kernel starts
-    from that kernel's rule."""
-    base = choose(w, m, tuning)
+def matvec_choice(w, m: int, tuning: Tuning, cfg: dict, base: Choice | None = None) -> Choice:
+    """The file's choice for w at m rows (or `base`), with a --sweep entry on top; one that names another
+    kernel starts from that kernel's rule."""
+    base = base or choose(w, m, tuning)
     if cfg.get("kernel", base.kernel.name) != base.kernel.name:
         table = "matvec" if w.repacked else "matvec_canonical"
         base = choose(w, m, Tuning(tuning.target, {table: {w.type_name: {"any": {"1": {"kernel": cfg["kernel"]}}}}}))
