@@ -40,7 +40,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-from vegaserve.triton_kernels import matmul, matvec_int8, matvec_mma, matvec_pieces
+from vegaserve.triton_kernels import matmul, matvec_int8, matvec_launch, matvec_mma, matvec_pieces
 from vegaserve.triton_kernels.dequant import GGML_TYPES
 from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, PTX_DP4A
 from vegaserve.triton_kernels.layout import repack
@@ -223,8 +223,10 @@ def launch(type_name: str, k: int, m: int, entry: dict, backend: str):
         return fn, {**matmul.tile_constexprs(tid, m, entry["block_n"], nb), **_plain(fn)}, entry.get("num_stages", 2)
     if kernel == "lanes" and tid in matvec_mma.TYPES - {12, 14} and nb == 1:
         kernel = "int8"  # a one-block tile: matvec_lanes runs the int8 kernel
-    if kernel == "int8":
+    if kernel == "int8":  # the RAGGED types' tiles need not divide the row (a partial last tile)
+        nb, _, split = matmul.tile_split(tid, k, entry["nb"], entry.get("split_k", 1), tid in matvec_launch.RAGGED)
         fn, type_args = matvec_int8.kernel_for(tid, m)
+        type_args = matvec_int8.tail_args(type_args, tid, k, nb)
     elif kernel == "pieces":
         fn, type_args = matvec_pieces._KERNELS[tid], {"UNPACK": entry.get("unpack", 0)}
     else:

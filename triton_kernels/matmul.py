@@ -238,6 +238,11 @@ def _qk(type_id: int) -> int:
     return spec_for(type_id).block_size
 
 
+def pow2_at_most(want: int) -> int:
+    """The largest power of two <= want (1 at least)."""
+    return 1 << max(0, want.bit_length() - 1)
+
+
 def divisor_at_most(n: int, want: int) -> int:
     """The largest power of two <= want that divides n (tiles never straddle the end of a row)."""
     d = 1
@@ -277,16 +282,18 @@ def tile_matvec(x: torch.Tensor, w: PackedWeight, block_n: int = 32, nb: int = 2
     return part[0] if split_k == 1 else part.sum(0)
 
 
-def tile_split(type_id: int, k: int, nb: int, split_k: int) -> tuple[int, int, int]:
+def tile_split(type_id: int, k: int, nb: int, split_k: int, ragged: bool = False) -> tuple[int, int, int]:
     """A mat-vec's K split of rows of k: (blocks a tile, blocks a split, splits). nb counts 32-element units
     (one super-block for the K-quants; float weights tile max(32 nb, 64) elements); a tile divides the
-    row's blocks and a split holds whole tiles."""
+    row's blocks and a split holds whole tiles. `ragged` (a kernel that masks a last, partial tile): the
+    tile is the power of two at most nb (and at most the row's blocks rounded up to one), whether or not it
+    divides them; every split but the last holds whole tiles, the last ends in the partial one."""
     qk = _qk(type_id)
     if qk == 1:  # float weights: a "block" is one element
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb
     n_blocks = k // qk
-    nb = divisor_at_most(n_blocks, nb)
+    nb = min(pow2_at_most(nb), triton.next_power_of_2(n_blocks)) if ragged else divisor_at_most(n_blocks, nb)
     per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
     return nb, per_split, -(-n_blocks // per_split)
 

@@ -69,7 +69,7 @@ from vegaserve.triton_kernels.matvec_iq import LATTICE, iq2_pairs_kernel, iq2_xx
 from vegaserve.triton_kernels.matvec_iq1 import iq1_kernel
 from vegaserve.triton_kernels.matvec_kquants_low import q2_k_kernel, q3_k_kernel
 from vegaserve.triton_kernels.matvec_launch import candidates as launch_candidates
-from vegaserve.triton_kernels.matvec_launch import Experts, plan, unique
+from vegaserve.triton_kernels.matvec_launch import RAGGED, Experts, plan, unique
 from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 from vegaserve.triton_kernels.quants.lattice import grid_words
 from vegaserve.triton_kernels.tiles_mxfp4 import half_scale
@@ -180,10 +180,13 @@ def _legacy_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     CARRY: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr,
     FLAT: tl.constexpr, EXPERTS: tl.constexpr = 0, XDIV: tl.constexpr = 1, XS: tl.constexpr = 0,
+    TAIL: tl.constexpr = 0,
 ):
     """Blocks of 32 with one scale and WORDS quant words: Q8_0 (WORDS 8), Q4_0 (4), IQ4_NL and MXFP4 (4, their
     levels' TABLE 1 and 2; MXFP4's scale an E8M0 byte), IQ4_XS (XS: IQ4_NL's blocks, each scale from its
-    super-block's record; NB and the split whole super-blocks)."""
+    super-block's record; NB and the split whole super-blocks). TAIL: NB does not divide the row's blocks
+    (matvec_launch.RAGGED); the last split's whole tiles are followed by one partial tile, its missing
+    blocks' quant words loaded as 0 and their scales set to 0 (x read at the row's last block instead)."""
     pdl.let_next_start(PDL)
     if EXPERTS:  # the expert ids come from the router, which the wait covers
         pdl.wait_for_inputs(PDL)
@@ -217,8 +220,50 @@ def _legacy_kernel(
             tile = _legacy_tile(qs, dp, WORDS // 4, E8M0, FLAT, XS)
         xw += NB * 8
         xb += NB
+    if TAIL:
+        tb = first + n_iter * NB
+        left = tl.minimum(first + blocks_per_split, K // 32) - tb  # > 0 in the last split only
+        if left > 0:
+            acc = _legacy_tail(acc, base, o0, r0, b0, o1, r1, r64, tb, left, xq_ptr, dx_ptr, sx_ptr, K, M, BLOCK_N,
+                               NB, WORDS, TABLE, E8M0, FLAT, DOT)
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile (none today)
     store_rows(part_ptr, out_ptr, count_ptr, acc, M, N, rows, SPLIT)
+
+
+@triton.jit
+def _legacy_tail(acc, base, o0, r0, b0, o1, r1, r64, tb, left, xq_ptr, dx_ptr, sx_ptr, K, M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr,
+                 E8M0: tl.constexpr, FLAT: tl.constexpr, DOT: tl.constexpr):
+    """The partial tile of `left` < NB blocks from block tb: loads masked to the row's blocks, the scales of
+    the missing blocks 0, their activations read at the row's last block (any finite value: the scale
+    zeroes the product)."""
+    qs, dp = block_planes(base, o0, r0, b0, o1, r1, r64, tb, NB, WORDS, FLAT)
+    live = tl.arange(0, NB) < left
+    if FLAT:
+        words = tl.load(qs, mask=(tl.arange(0, NB * WORDS) // WORDS < left)[None, :], other=0)
+        if WORDS == 8:
+            h0, h1 = tl.split(tl.permute(tl.reshape(words, [BLOCK_N, NB, 2, 4]), (0, 1, 3, 2)))
+        else:
+            h0 = tl.reshape(words, [BLOCK_N, NB, 4])
+            h1 = h0
+    else:
+        h0 = tl.load(qs, mask=live[None, :, None], other=0)
+        if WORDS == 8:
+            h1 = tl.load(qs + 4, mask=live[None, :, None], other=0)
+        else:
+            h1 = h0
+    if E8M0:
+        d = half_scale(tl.load(dp, mask=live[None, :], other=0).to(tl.int32))
+    else:
+        d = tl.load(dp.to(tl.pointer_type(tl.float16)), mask=live[None, :], other=0).to(tl.float32)
+    d = tl.where(live[None, :], d, 0.0)
+    xb = tl.minimum(tb + tl.arange(0, NB), K // 32 - 1)
+    xw = (xb * 8)[:, None] + tl.arange(0, 4)[None, :]
+    if WORDS == 8:
+        acc = _q8_0_dots((d, h0, h1), acc, xq_ptr, dx_ptr, xw, xb, K, M, BLOCK_N, NB, DOT)
+    else:
+        acc = _nibble_dots((d, h0, h1), acc, xq_ptr, dx_ptr, sx_ptr, xw, xb, K, M, BLOCK_N, NB, TABLE, DOT)
+    return acc
 
 
 @triton.jit
@@ -415,7 +460,7 @@ def _q6_k_kernel(
 
 
 # type -> (kernel, its type's constexprs)
-_LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0}
+_LEGACY = {"TABLE": 0, "E8M0": False, "XS": 0, "TAIL": 0}  # TAIL: set by the launch where its tile leaves a part
 _KERNELS = {T.Q8_0: (_legacy_kernel, {**_LEGACY, "WORDS": 8}), T.Q4_0: (_legacy_kernel, {**_LEGACY, "WORDS": 4}),
             T.IQ4_NL: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1}),
             T.IQ4_XS: (_legacy_kernel, {**_LEGACY, "WORDS": 4, "TABLE": 1, "XS": 1}),
@@ -437,8 +482,8 @@ def candidates(type_id: int, n: int, k: int, m: int, sm_count: int) -> list[dict
 
 def type_args(type_id: int) -> dict[str, int]:
     """The constexprs that say a 32-element type's words, table and scale (the lanes kernel takes them too;
-    IQ4_XS's scales from records, XS, are this kernel's only)."""
-    return {key: v for key, v in _KERNELS[type_id][1].items() if key != "XS"}
+    IQ4_XS's scales from records, XS, and the partial last tile, TAIL, are this kernel's only)."""
+    return {key: v for key, v in _KERNELS[type_id][1].items() if key not in ("XS", "TAIL")}
 
 
 def dot_kind(device: torch.device) -> int:
@@ -456,6 +501,14 @@ def kernel_for(type_id: int, m: int) -> tuple[object, dict[str, int]]:
     if kernel is _legacy_kernel:
         return kernel, {**type_args, "FLAT": int(m == 1 or type_id != T.Q8_0)}
     return kernel, type_args
+
+
+def tail_args(type_args: dict[str, int], type_id: int, k: int, per_tile: int) -> dict[str, int]:
+    """kernel_for's constexprs with TAIL set where a RAGGED type's tile of per_tile blocks leaves a partial
+    last tile of rows of k (benchmarks/kernel_resources.py compiles the same)."""
+    if "TAIL" not in type_args:
+        return type_args
+    return {**type_args, "TAIL": int(type_id in RAGGED and (k // 32) % per_tile != 0)}
 
 
 def _carry(params: dict[str, int], device: torch.device) -> int:
@@ -476,7 +529,7 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: 
     of experts, y [A, N] the assignments' products (Experts)."""
     if w.type_id not in TYPES:
         raise ValueError(f"the int8 mat-vec has no kernel for {w.type_name}")
-    launch = plan("int8", x, w, params, experts)
+    launch = plan("int8", x, w, params, experts, ragged=w.type_id in RAGGED)
     M, K = x.shape
     rows = experts.count if experts is not None else M
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
@@ -488,7 +541,8 @@ def matvec_int8(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: 
     kernel[launch.grid(w.n)](
         q.view(torch.int32), dx, sx, w.data, part, y, counts, *w.field_args(), w.n, K, launch.per_split * unit,
         *expert_args, M=1 if experts is not None else M, BLOCK_N=params["block_n"], NB=launch.per_tile * unit,
-        SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=_carry(params, x.device), **type_args, **expert_consts,
+        SPLIT=launch.split, DOT=dot_kind(x.device), CARRY=_carry(params, x.device),
+        **tail_args(type_args, w.type_id, K, launch.per_tile), **expert_consts,
         num_warps=params["num_warps"], num_stages=1, **table, **pdl.launch_args(x.device),
     )
     return y

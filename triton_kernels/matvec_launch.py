@@ -3,7 +3,9 @@ fixed launch rule, the candidates a sweep times, and a launch's K split, grid an
 
 Tiles: a program owns BLOCK_N rows and one K split; a tile is NB blocks (for the K-quants, super-blocks)
 of every row, loaded as 16-byte groups (a thread's vector load). The K split holds whole tiles, and a
-tile divides the row's blocks (matmul.tile_split, which the tile kernel shares). Split-K programs add
+tile divides the row's blocks (matmul.tile_split, which the tile kernel shares), except for the `RAGGED`
+types, whose int8 kernel masks a last, partial tile: their tile is a power of two whether or not it
+divides the row (gpt-oss's rows of 2880 are 90 blocks, whose largest power-of-two divisor is 2). Split-K programs add
 their partials in a fixed order through per-tile arrival counts (flat_words.store_rows): no atomics on the
 result, the same sum on every run.
 """
@@ -17,7 +19,7 @@ import triton
 
 from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.layout import PackedWeight
-from vegaserve.triton_kernels.matmul import divisor_at_most, tile_split
+from vegaserve.triton_kernels.matmul import divisor_at_most, pow2_at_most, tile_split
 
 # type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile); IQ4_XS's
 # super-blocks are 8 of IQ4_NL's blocks to the kernel (matvec_int8), which the rule treats as one
@@ -25,6 +27,8 @@ GEOMETRY = {T.Q8_0: (32, 1, 32), T.Q4_0: (32, 1, 16), T.IQ4_NL: (32, 1, 16), T.M
             T.IQ4_XS: (256, 8, 16), T.Q4_K: (256, 2, 64), T.Q6_K: (256, 4, 48), T.Q3_K: (256, 4, 32),
             T.Q2_K: (256, 4, 16), T.IQ2_XXS: (256, 4, 16), T.IQ2_XS: (256, 4, 16), T.IQ2_S: (256, 4, 16),
             T.IQ3_XXS: (256, 4, 16), T.IQ3_S: (256, 4, 16), T.IQ1_S: (256, 4, 12), T.IQ1_M: (256, 4, 12)}
+# the one-scale 32-element types, whose int8 kernel (matvec_int8._legacy_kernel) masks a partial last tile
+RAGGED = frozenset({T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4})
 # the super-block kernels (IQ4_XS's is the 32-element one): heavier tiles, fewer rows a thread above M = 1
 SUPER_BLOCK_KERNELS = frozenset(t for t, (qk, _, _) in GEOMETRY.items() if qk == 256) - {T.IQ4_XS}
 
@@ -77,10 +81,14 @@ def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, wa
             sm_count: int) -> dict[str, int]:
     """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
     qk, gpb, bpg = GEOMETRY[type_id]
-    blocks = divisor_at_most(k // qk, max(1, groups // gpb))
+    n_blocks, want = k // qk, max(1, groups // gpb)
+    if type_id in RAGGED:
+        blocks = min(pow2_at_most(want), triton.next_power_of_2(n_blocks))
+    else:
+        blocks = divisor_at_most(n_blocks, want)
     groups = blocks * gpb
     block_n = max(8, min(256, rows * warp_size * warps // groups))
-    iters = (k // qk) // blocks
+    iters = -(-n_blocks // blocks)
     split = 1
     while n * split * groups * bpg < _IN_FLIGHT * sm_count and iters // (2 * split) >= 2:
         split *= 2
@@ -155,9 +163,11 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
     return held[-1]
 
 
-def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], experts: Experts | None = None) -> Launch:
+def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], experts: Experts | None = None,
+         ragged: bool = False) -> Launch:
     """The checks and the K split of a word-tile kernel's launch of x [M, K] on w with complete params; with
-    `experts`, of one program column per assignment (x's rows then any number: each program takes one)."""
+    `experts`, of one program column per assignment (x's rows then any number: each program takes one);
+    `ragged`: a kernel that masks a partial last tile (tile_split)."""
     M, K = x.shape
     if experts is not None:
         if w.experts < 2 and w.expert_bytes == 0:
@@ -175,5 +185,5 @@ def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], 
     if params["block_n"] < 8 or params["block_n"] & (params["block_n"] - 1):
         # BLOCK_N 2 and 4 gave wrong sums in the tile kernel on an H200
         raise ValueError(f"block_n must be a power of two >= 8, got {params['block_n']}")
-    return Launch(params, *tile_split(w.type_id, K, params["nb"], params.get("split_k", 1)),
+    return Launch(params, *tile_split(w.type_id, K, params["nb"], params.get("split_k", 1), ragged),
                   experts.count if experts is not None else 0)

@@ -73,6 +73,43 @@ def test_int8_matvec_matches_reference_on_the_quantized_activation(name, split_k
     assert not arrival_counts(torch.device(DEVICE), 1).any()
 
 
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("nb, split_k, carry", [(16, 1, 1), (4, 1, 0), (16, 2, 1), (4, 3, 1)])
+def test_a_tile_that_does_not_divide_the_row_ends_in_a_masked_partial_tile(name, nb, split_k, carry):
+    """Rows of 18 blocks (576, SmolLM2's width; gpt-oss's 2880 is 90) in tiles of 16 or 4: the last split's
+    whole tiles, then a partial one of 2 blocks (with 3 splits of 4-block tiles, splits of 8, 8 and 2: the
+    last has no whole tile). The weight's bytes end at the last row, so a load past the row's end in the last
+    row would leave the tensor; experts too (each stack's last expert ends where the buffer does). 1 and 3
+    rows (Q8_0's loads per block above one row), poisoned outputs, against the reference on the q8_1 form."""
+    from vegaserve.triton_kernels.layout import stack_experts
+    from vegaserve.triton_kernels.matvec_launch import Experts, tile_split
+    from vegaserve.triton_kernels.moe import reference_expert_matmul
+
+    tid, n, k = IDS[name], 21, 576
+    assert tile_split(tid, k, nb, split_k, ragged=True)[0] == nb and 18 % nb  # the tile leaves a part
+    gen = torch.Generator().manual_seed(12)
+    raw = random_blocks(tid, n, k // 32, gen)
+    w, ref_w = repack(raw.to(DEVICE), tid, n, k), repack(raw, tid, n, k)
+    params = {"block_n": 16, "nb": nb, "split_k": split_k, "num_warps": 1, "carry": carry}
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        q, d, s = quantize_q8_1(x)
+        y = matvec_int8(x, w, params, q8_1=(q, d, s))
+        ref = reference_matvec_q8_1(q.cpu(), d.cpu(), ref_w)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, m
+    e = 3
+    stack_raw = random_blocks(tid, e * n, k // 32, gen)
+    stack = stack_experts(stack_raw.view(e, n, -1).to(DEVICE), tid, e, n, k)
+    ref_stack = stack_experts(stack_raw.view(e, n, -1), tid, e, n, k)
+    ids = torch.tensor([2, 0, 2, 1], dtype=torch.int64)
+    x = torch.randn(2, k, generator=gen).to(DEVICE)
+    q, d, s = quantize_q8_1(x)
+    y = matvec_int8(x, stack, params, q8_1=(q, d, s), experts=Experts(ids.to(DEVICE), 2))
+    xq = (q.cpu().double().view(2, -1, 32) * d.cpu().double()[..., None]).view(2, k)
+    ref = reference_expert_matmul(xq, ref_stack, Experts(ids, 2))
+    assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_flat_loads_are_the_rule_at_one_row_and_for_every_type_but_q8_0():
     """The 32-element types load each row's quant words of a tile as one run (FLAT 1), except Q8_0 above one
     row, where the [rows, blocks, 4] load measured faster; the K-quants' kernels have no such constexpr."""

@@ -6,7 +6,8 @@ interpreter runs the integer emulation of those instructions, so only a compiler
 these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
 
 Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). M = 1
-(the lanes kernel: 8), a split-K of 2, the tiles of an 8B decode.
+(the lanes kernel: 8), a split-K of 2, the tiles of an 8B decode; the 32-element types also with a masked
+last tile (TAIL), as gpt-oss's rows of 90 blocks take tiles of 16.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ for name, nb in (("Q8_0", 32), ("Q4_0", 32), ("IQ4_NL", 32), ("MXFP4", 32), ("IQ
                  ("IQ2_XS", 4), ("IQ2_S", 4), ("IQ1_S", 4), ("IQ1_M", 4)):
     fn, type_args = matvec_int8.kernel_for(getattr(T, name), 1)  # as a one-row launch takes it
     kernels[name] = (fn, dict(NB=nb, **type_args))
+for name in ("Q8_0", "Q4_0", "IQ4_NL", "MXFP4"):  # tiles of 16 over gpt-oss's rows of 90 blocks: a masked last tile
+    fn, type_args = matvec_int8.kernel_for(getattr(T, name), 1)
+    kernels[name + "_tail"] = (fn, dict(NB=16, CARRY=1, **{**type_args, "TAIL": 1}))
 for name in ("Q4_K", "Q6_K"):
     fn = matvec_pieces._KERNELS[getattr(T, name)]
     kernels[name + "_pieces"] = (fn, dict(NB=8, UNPACK=0))
@@ -58,6 +62,8 @@ print("compiled")
 WANT = {  # kernel -> instructions it must contain, per backend
     "cuda": {"Q8_0": {"dp4a.s32.s32"}, "Q4_0": {"dp4a.s32.s32"}, "IQ4_NL": {"dp4a.s32.s32", "prmt.b32"},
              "MXFP4": {"dp4a.s32.s32", "prmt.b32"}, "IQ4_XS": {"dp4a.s32.s32", "prmt.b32"}, "Q4_K": {"dp4a.s32.s32"},
+             "Q8_0_tail": {"dp4a.s32.s32"}, "Q4_0_tail": {"dp4a.s32.s32"}, "IQ4_NL_tail": {"dp4a.s32.s32", "prmt.b32"},
+             "MXFP4_tail": {"dp4a.s32.s32", "prmt.b32"},
              "Q6_K": {"dp4a.s32.s32"}, "Q3_K": {"dp4a.s32.s32"},
              "IQ2_XXS": {"dp4a.s32.s32"}, "Q2_K": {"dp4a.s32.s32"}, "IQ3_XXS": {"dp4a.s32.s32"},
              "IQ3_S": {"dp4a.s32.s32"}, "IQ2_XS": {"dp4a.s32.s32"}, "IQ2_S": {"dp4a.s32.s32"},
@@ -71,6 +77,8 @@ WANT = {  # kernel -> instructions it must contain, per backend
              "MXFP4_lanes": {"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "prmt.b32"}},
     "hip": {"Q8_0": {"v_dot4_i32_i8"}, "Q4_0": {"v_dot4_i32_i8"}, "IQ4_NL": {"v_dot4_i32_i8", "v_perm_b32"},
             "MXFP4": {"v_dot4_i32_i8", "v_perm_b32"}, "IQ4_XS": {"v_dot4_i32_i8", "v_perm_b32"},
+            "Q8_0_tail": {"v_dot4_i32_i8"}, "Q4_0_tail": {"v_dot4_i32_i8"},
+            "IQ4_NL_tail": {"v_dot4_i32_i8", "v_perm_b32"}, "MXFP4_tail": {"v_dot4_i32_i8", "v_perm_b32"},
             "Q4_K": {"v_dot4_i32_i8"}, "Q6_K": {"v_dot4_i32_i8"}, "Q3_K": {"v_dot4_i32_i8"},
             "IQ2_XXS": {"v_dot4_i32_i8"}, "Q2_K": {"v_dot4_i32_i8"}, "IQ3_XXS": {"v_dot4_i32_i8"},
             "IQ3_S": {"v_dot4_i32_i8"}, "IQ2_XS": {"v_dot4_i32_i8"}, "IQ2_S": {"v_dot4_i32_i8"},
