@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.
 sys.path.insert(0, str(SCRIPT.parent))
 from kernel_resources import TYPE_IDS, entries, launch, loop_bytes, loop_mix  # noqa: E402
 
-from vegaserve.triton_kernels import matmul, matvec_int8, matvec_mma, matvec_pieces  # noqa: E402
+from vegaserve.triton_kernels import matmul, matvec_int8, matvec_launch, matvec_mma, matvec_pieces  # noqa: E402
 from vegaserve.triton_kernels.int8_ops import AMDGCN_DOT4, PTX_DP4A  # noqa: E402
 from vegaserve.triton_kernels.tuning import CONFIG_DIR, load_tuning  # noqa: E402
 
@@ -69,12 +69,14 @@ def test_entries_are_the_files_exact_shapes_with_their_kernel_over_its_rule():
 @pytest.mark.parametrize("kernel, type_name, k, nb, want", [
     ("tiles", "Q4_K", 4096, 16, "_matvec_kernel"),
     ("int8", "Q8_0", 4096, 16, "_legacy_kernel"),
+    ("int8", "MXFP4", 2880, 16, "_legacy_kernel"),  # gpt-oss's rows of 90 blocks: tiles of 16, the last of 10
     ("int8", "Q6_K", 4096, 16, "_q6_k_kernel"),
     ("int8", "IQ2_XXS", 4096, 16, "iq2_xxs_kernel"),
     ("pieces", "Q4_K", 4096, 32, "q4_k_pieces_kernel"),
     ("lanes", "Q6_K", 4096, 8, "lanes_kernel"),
     ("lanes", "MXFP4", 4096, 8, "lanes_kernel"),
-    ("lanes", "Q8_0", 96, 2, "_legacy_kernel"),  # a row of 3 blocks: one-block tiles, the int8 kernel's
+    # a row of 3 blocks: one-block tiles send lanes to the int8 kernel, which masks its last tile of 2 (TAIL)
+    ("lanes", "Q8_0", 96, 2, "_legacy_kernel"),
 ], ids=str)
 def test_launch_compiles_the_kernel_and_constexprs_the_entrys_launcher_takes(kernel, type_name, k, nb, want):
     """launch(): the kernel function the entry's launcher runs for that type, with constexprs that bind every
@@ -87,8 +89,10 @@ def test_launch_compiles_the_kernel_and_constexprs_the_entrys_launcher_takes(ker
     assert fn.__name__ == want
     constexprs = {name for name, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)}
     assert set(consts) == constexprs, set(consts) ^ constexprs
-    per_tile, _, split = matmul.tile_split(tid, k, nb, 2)
+    int8 = want == "_legacy_kernel" or kernel == "int8"  # the int8 kernel: RAGGED types' tiles need not divide
+    per_tile, _, split = matmul.tile_split(tid, k, nb, 2, int8 and tid in matvec_launch.RAGGED)
     assert consts["NB"] == per_tile and consts["BLOCK_N"] == 64 and consts["M"] == m
+    assert consts.get("TAIL", 0) == int(int8 and tid in matvec_launch.RAGGED and (k // 32) % per_tile != 0)
     if kernel == "tiles":
         assert stages == 2 and consts == {**matmul.tile_constexprs(tid, m, 64, per_tile), "EXPERTS": 0, "XDIV": 1}
         return
@@ -101,6 +105,7 @@ def test_launch_compiles_the_kernel_and_constexprs_the_entrys_launcher_takes(ker
         assert {key: consts[key] for key in matvec_mma.kernel_args(tid, 4)} == matvec_mma.kernel_args(tid, 4)
     else:
         kernel_fn, type_args = matvec_int8.kernel_for(tid, m)
+        type_args = matvec_int8.tail_args(type_args, tid, k, per_tile)
         assert fn is kernel_fn and {key: consts[key] for key in type_args} == type_args
     assert launch(type_name, k, m, entry, "hip")[1]["DOT"] == AMDGCN_DOT4
 
