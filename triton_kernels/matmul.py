@@ -238,9 +238,13 @@ def _qk(type_id: int) -> int:
     return spec_for(type_id).block_size
 
 
-def pow2_at_most(want: int) -> int:
-    """The largest power of two <= want (1 at least)."""
-    return 1 << max(0, want.bit_length() - 1)
+def tile_blocks(n_blocks: int, want: int, ragged: bool = False) -> int:
+    """Blocks a tile of a row of n_blocks, at most `want`: the largest power of two that divides the row
+    (divisor_at_most), or with `ragged` (a kernel that masks a partial last tile) the largest power of two
+    at most want, and at most the row's blocks rounded up to one."""
+    if not ragged:
+        return divisor_at_most(n_blocks, want)
+    return min(1 << max(0, want.bit_length() - 1), triton.next_power_of_2(n_blocks))
 
 
 def divisor_at_most(n: int, want: int) -> int:
@@ -293,7 +297,7 @@ def tile_split(type_id: int, k: int, nb: int, split_k: int, ragged: bool = False
         nb = max(nb * 32, 64)
     nb = max(1, nb * 32 // qk) if qk > 32 else nb
     n_blocks = k // qk
-    nb = min(pow2_at_most(nb), triton.next_power_of_2(n_blocks)) if ragged else divisor_at_most(n_blocks, nb)
+    nb = tile_blocks(n_blocks, nb, ragged)
     per_split = -(-n_blocks // (split_k * nb)) * nb  # a multiple of nb
     return nb, per_split, -(-n_blocks // per_split)
 

@@ -19,7 +19,7 @@ import triton
 
 from vegaserve.triton_kernels.dequant import GGMLType as T
 from vegaserve.triton_kernels.layout import PackedWeight
-from vegaserve.triton_kernels.matmul import divisor_at_most, pow2_at_most, tile_split
+from vegaserve.triton_kernels.matmul import tile_blocks, tile_split
 
 # type -> (elements per block, 16-byte groups per block, bytes one group loads per row and tile); IQ4_XS's
 # super-blocks are 8 of IQ4_NL's blocks to the kernel (matvec_int8), which the rule treats as one
@@ -81,11 +81,8 @@ def _config(type_id: int, n: int, k: int, groups: int, rows: int, warps: int, wa
             sm_count: int) -> dict[str, int]:
     """Launch parameters for `groups` per tile and `rows` per thread, with the split-K of the rule."""
     qk, gpb, bpg = GEOMETRY[type_id]
-    n_blocks, want = k // qk, max(1, groups // gpb)
-    if type_id in RAGGED:
-        blocks = min(pow2_at_most(want), triton.next_power_of_2(n_blocks))
-    else:
-        blocks = divisor_at_most(n_blocks, want)
+    n_blocks = k // qk
+    blocks = tile_blocks(n_blocks, max(1, groups // gpb), type_id in RAGGED)
     groups = blocks * gpb
     block_n = max(8, min(256, rows * warp_size * warps // groups))
     iters = -(-n_blocks // blocks)
