@@ -127,7 +127,8 @@ def main() -> None:
                         def error(calls):
                             try:
                                 y = calls[0]().float()
-                            except ValueError:  # a config the launcher refuses
+                            except Exception as e:  # a config the launcher or the compiler refuses
+                                print(f"  refused: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                                 return float("inf")
                             return float((y - ref).norm() / ref.norm())
 
