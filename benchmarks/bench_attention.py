@@ -3,7 +3,7 @@ prompt and a chunk after a cached prefix. Every row is checked against the float
 timed. Prints a table and one JSON line per row.
 
     python benchmarks/bench_attention.py [--batches 1,4,16,64] [--contexts 512,2048,8192] [--prefill 2048]
-        [--decode-configs '[{"block_n": 64, "partition": 256}]'] [--prefill-configs '[{"block_m": 64}]']
+        [--decode-configs '[{"block_n": 64, "split_keys": 1024}]'] [--prefill-configs '[{"block_m": 64}]']
     python benchmarks/bench_attention.py --tiny      # correctness only, tiny shapes; runs under the interpreter
     python benchmarks/bench_attention.py --graph 32 --batches 1 --contexts 176 --prefill ''
         # decode as the decode graph runs it: 32 calls (one per layer) captured back to back and replayed,
@@ -143,7 +143,7 @@ def main() -> None:
     if args.tiny:
         args.batches, args.contexts, args.prefill = "1,3", "17,40", "24"
         args.heads, args.kv_heads, args.head_dim, args.page = 4, 2, 32, 8
-        args.decode_configs = '[{"block_n": 16, "partition": 16}]'
+        args.decode_configs = '[{"block_n": 16, "split_keys": 16}]'
         args.prefill_configs = '[{"block_m": 16, "block_n": 16}]'
         if args.dtype == "bf16" and not timed:
             args.dtype = "f16"  # the interpreter has no bf16

@@ -15,8 +15,8 @@ A batch smaller than its bucket is padded: padded rows read token 0 at position 
 their k/v to the cache's spare block, which no sequence owns (KVCache spare slots). A hybrid model's step also
 stages each row's recurrent-state slot (padded rows: the state's spare slot); a row with one key (a
 sequence's first token) starts from a zero state, as ForwardBatch.recurrent says. The attention grid is
-sized for max_model_len at capture, so one graph serves every context length (partitions past a
-sequence's end do no work).
+sized for max_model_len at capture, so one graph serves every context length (each sequence shares
+its own keys among the splits; those it leaves without keys exit at once).
 
 Without a GPU (tests) nothing is captured and `run` computes the same static, padded batch eagerly.
 One process, or each rank of tensor parallelism alone where the peer-write AllReduce takes the bucket's

@@ -24,10 +24,11 @@ MAX_HEAD_DIM = 256
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Launch parameters per backend; a tuning file (configs/kernels/<target>.json) overrides them under
-# "attention": {"decode": {...}, "prefill": {...}}. block_n: keys per tile; partition: the most keys one
-# decode program takes (halved while the grid has fewer than min_programs programs, 2 per compute unit by
-# default); block_m: query rows (tokens x heads of one group) per prefill program. The other keys are
-# compiler options.
+# "attention": {"decode": {...}, "prefill": {...}}. block_n: keys per tile; split_keys: the most keys one
+# decode program takes (a multiple of block_n); min_programs: the decode grid splits each sequence's keys
+# further until it has that many programs (4 per compute unit by default; attention_decode.split_count);
+# block_m: query rows (tokens x heads of one group) per prefill program. The other keys are compiler
+# options.
 # NVIDIA (warp 32, tensor cores), sm_90: the rule timed on an H200 (docs/PERFORMANCE.md): decode 64-key
 #   tiles on 4 warps, prefill 128x64 on 8 warps. ptxas (Triton 3.9) gives the decode 48 bytes of stack
 #   on 4 warps and none on 8 (193 registers): 8 warps is the first thing to time.
@@ -40,15 +41,17 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # f32 caches spill on both backends; they serve the exact checks.
 _FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
     "cuda": {
-        "decode": {"block_n": 64, "partition": 512, "num_warps": 4, "num_stages": 2},
+        "decode": {"block_n": 64, "split_keys": 2048, "num_warps": 4, "num_stages": 2},
         "prefill": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     },
     "hip": {
-        "decode": {"block_n": 16, "partition": 512, "num_warps": 8},
+        "decode": {"block_n": 16, "split_keys": 2048, "num_warps": 8},
         "prefill": {"block_m": 32, "block_n": 16, "num_warps": 4},
     },
 }
-META_KEYS = ("block_n", "partition", "min_programs", "block_m")
+META_KEYS = ("block_n", "split_keys", "min_programs", "block_m")
+COMPILER_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "waves_per_eu", "matrix_instr_nonkdim",
+                 "kpack")
 
 
 @lru_cache(maxsize=4)
@@ -60,7 +63,11 @@ def _tuned(op: str) -> tuple[tuple[str, Any], ...]:
 
 
 def split_params(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(meta-parameters, compiler options)."""
+    """(meta-parameters, compiler options); any other key is refused (the interpreter would drop it unread)."""
+    unknown = sorted(set(p) - set(META_KEYS) - set(COMPILER_KEYS))
+    if unknown:
+        raise ValueError(f"attention launch parameters {unknown} unknown: meta-parameters are {META_KEYS}, "
+                         f"compiler options {COMPILER_KEYS}")
     return {k: v for k, v in p.items() if k in META_KEYS}, {k: v for k, v in p.items() if k not in META_KEYS}
 
 

@@ -1,18 +1,23 @@
 """Decode attention over the paged KV cache: one query token per sequence, flash-decoding.
 
-    split    grid (seqs, kv_heads, partitions). A program takes the `group` query heads of one kv head
+    split    grid (seqs, kv_heads, splits). A program takes the `group` query heads of one kv head
              (GQA: each K/V tile is loaded once for the whole group; the head rows are padded to 16, the
-             smallest tl.dot tile) and the key positions [part * PARTITION, (part + 1) * PARTITION) of its
-             sequence, walks them in BLOCK_N tiles with the online softmax of attention_common.py and writes
-             o_p = acc / l and lse_p = m + log2(l) (f32, base 2). A partition past the sequence's end runs
-             no tile and writes lse_p = -inf, o_p = 0.
-    combine  grid (seqs, heads): out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M), M = max_p lse_p.
-With one partition the split kernel writes the output itself and the combine is skipped. Partitions halve
-(down to BLOCK_N) while the grid would leave compute units idle: few sequences with long contexts.
-With `q8_1` the kernel that writes the output (the combine, or the split kernel with one partition) also
+             smallest tl.dot tile) and its share of its sequence's keys (below), walks them in BLOCK_N
+             tiles with the online softmax of attention_common.py and writes o_p = acc / l and
+             lse_p = m + log2(l) (f32, base 2).
+    combine  grid (seqs, heads): out = sum_p 2^(lse_p - M) o_p / sum_p 2^(lse_p - M), M = max_p lse_p, over
+             the sequence's live splits.
+The launch fixes the split count (split_count): FILL splits a sequence bring the grid to min_programs
+programs, and there are at least that many and at least enough for split_keys keys a split over max_seq_len.
+Each sequence shares its own n keys (_share): share = min(round_up(cdiv(n, FILL), BLOCK_N), SPLIT_KEYS) keys
+a split, so cdiv(n, share) splits are live and split p takes [p * share, (p + 1) * share). The others read
+the length, exit and write nothing; the combine reads only the live ones. So the decode graphs' grid, sized
+for max_model_len, moves only the partials a sequence's own length needs.
+With one split the split kernel writes the output itself and the combine is skipped.
+With `q8_1` the kernel that writes the output (the combine, or the split kernel with one split) also
 writes its q8_1 copy, the o_proj's int8 mat-vec input (q8_1.store_q8_1_blocks), in place of a quantize launch.
-A WINDOW keeps the keys from seq_len - WINDOW on (a partition before them runs no tile); SINKS adds each
-head's sink logit to its denominator once, in the kernel that writes the output.
+A WINDOW keeps the keys from seq_len - WINDOW on (the splits share those); SINKS adds each head's sink
+logit to its denominator once, in the kernel that writes the output.
 
 Torch reference: `reference_decode` (keys gathered through the block table, float64 softmax).
 """
@@ -41,14 +46,26 @@ from vegaserve.triton_kernels.q8_1 import Q8_1, q8_1_buffers, quantize_q8_1, sto
 
 
 @triton.jit
+def _share(seq_len, fill, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """(lo, share, live) of a sequence of seq_len keys: its first visible key, the keys each split takes (a
+    multiple of BLOCK_N, at most SPLIT_KEYS) and the splits that take any (at most split_count's)."""
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    n = seq_len - lo
+    share = tl.minimum(tl.cdiv(tl.cdiv(n, fill), BLOCK_N) * BLOCK_N, SPLIT_KEYS)
+    return lo, share, tl.cdiv(n, share)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,  # pointers
     q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
     sinks_ptr,  # SINKS: each query head's sink logit [H] f32
-    qk_scale, num_partitions,  # scalars
+    qk_scale, fill, num_splits,  # scalars
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ts, stride_os, stride_oh,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,  # meta
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     DOT_F32: tl.constexpr, SINGLE: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
     SINKS: tl.constexpr = 0,
 ):
@@ -59,10 +76,11 @@ def _decode_split_kernel(
     # the step's lengths, block tables, positions and slots are written before its first kernel (pdl.py):
     # read before the wait, with the first tile's cache slots
     seq_len = tl.load(lens_ptr + seq)
-    lo = part * PARTITION
-    if WINDOW:  # the window's first key is the first one any tile takes
-        lo = tl.maximum(lo, seq_len - WINDOW)
-    hi = tl.minimum(part * PARTITION + PARTITION, seq_len)
+    lo, share, live_splits = _share(seq_len, fill, WINDOW, BLOCK_N, SPLIT_KEYS)
+    if part >= live_splits:  # a dead split: no key of this sequence, and the combine reads nothing of it
+        return
+    lo += part * share
+    hi = tl.minimum(lo + share, seq_len)
     table = table_ptr + seq.to(tl.int64) * stride_ts
     slot = tile_slots(table, lo, hi, PAGE, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
@@ -95,8 +113,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
-    l_safe = tl.where(l > 0, l, 1.0)  # an empty partition: m = -inf, acc = 0, so o = 0 and lse = -inf
-    o = acc / l_safe[:, None]
+    o = acc / l[:, None]  # l > 0: a live split has a key (the group's padding rows too: their q is 0)
     if SINGLE:
         dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
         o = o.to(out_ptr.dtype.element_ty)
@@ -108,42 +125,44 @@ def _decode_split_kernel(
             live = tl.reshape(tl.broadcast_to((g < GROUP)[:, None], [BLOCK_G, per]), [BLOCK_G * per])
             _store_q8_1_row(xb, hb, live, q8_ptr, q8d_ptr, q8s_ptr, seq, tl.num_programs(1) * GROUP * HEAD_DIM)
     else:
-        row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part  # [S, H, P]
+        row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + part  # [S, H, P]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
-        tl.store(part_lse_ptr + row, m + tl.log2(l_safe), mask=g < GROUP)
+        tl.store(part_lse_ptr + row, m + tl.log2(l), mask=g < GROUP)
 
 
 @triton.jit
 def _decode_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,  # pointers: partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,  # partials [S, H, P, D] f32, lse [S, H, P] f32, out [S, H, D]
     q8_ptr, q8d_ptr, q8s_ptr,  # Q8: the output's q8_1 copy, rows [S, H * D]
     sinks_ptr,  # SINKS: each head's sink logit [H] f32
-    num_partitions,  # sizes
+    fill, num_splits,  # scalars, as the split kernel's
     stride_os, stride_oh,  # strides
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, Q8: tl.constexpr,
-    PDL: tl.constexpr, SINKS: tl.constexpr = 0,  # meta
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    SINKS: tl.constexpr = 0,  # meta
 ):
     pdl.let_next_start(PDL)
-    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
+    _, _, live_splits = _share(tl.load(lens_ptr + seq), fill, WINDOW, BLOCK_N, SPLIT_KEYS)  # step input: pdl.py
+    pdl.wait_for_inputs(PDL)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    # two passes over the partitions in BLOCK_P chunks: the maximum, then the weighted sums
+    # two passes over the live splits in BLOCK_P chunks: the maximum, then the weighted sums
     mx = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for p0 in range(0, num_partitions, BLOCK_P):
-        lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < num_partitions, other=float("-inf"))
+    for p0 in range(0, live_splits, BLOCK_P):
+        lse = tl.load(part_lse_ptr + row + p0 + p, mask=p0 + p < live_splits, other=float("-inf"))
         mx = tl.maximum(mx, lse)
-    big = tl.max(mx, 0)  # finite: a sequence has at least one key, so one partition is not empty
+    big = tl.max(mx, 0)  # finite: every live split has a key
     if SINKS:
         sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 units, as the lse
         big = tl.maximum(big, sink)
     acc = tl.zeros([BLOCK_D], tl.float32)
     wsum = tl.zeros([BLOCK_P], tl.float32)
-    for p0 in range(0, num_partitions, BLOCK_P):
-        pmask = p0 + p < num_partitions
+    for p0 in range(0, live_splits, BLOCK_P):
+        pmask = p0 + p < live_splits
         w = tl.exp2(tl.load(part_lse_ptr + row + p0 + p, mask=pmask, other=float("-inf")) - big)
         o = tl.load(part_o_ptr + (row + p0 + p)[:, None] * HEAD_DIM + d[None, :],
                     mask=pmask[:, None] & dmask[None, :], other=0.0)
@@ -176,13 +195,36 @@ def _compute_units(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _fill(seqs: int, kv_heads: int, min_programs: int) -> int:
+    """Splits of a sequence that bring the grid's seqs * kv_heads rows to min_programs: a power of two, >= 1."""
+    return triton.next_power_of_2(max(1, triton.cdiv(min_programs, seqs * kv_heads)))
+
+
+def split_count(seqs: int, kv_heads: int, max_seq_len: int, window: int, block_n: int, split_keys: int,
+                min_programs: int) -> int:
+    """Splits a sequence, fixed by the launch: the larger of fill (the grid at min_programs programs) and
+    the splits of split_keys keys the longest live range needs (max_seq_len, or the window), at most that
+    range's block_n tiles. Every sequence's live splits (_share) fit: a share of split_keys makes at most
+    cdiv(live, split_keys) of them, a smaller share at most fill and at most cdiv(live, block_n)."""
+    live = min(max_seq_len, window) if window > 0 else max_seq_len
+    splits = max(_fill(seqs, kv_heads, min_programs), triton.cdiv(live, split_keys))
+    return max(1, min(splits, triton.cdiv(live, block_n)))
+
+
+def partial_buffers(S: int, H: int, splits: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's o_p [S, H, splits, D] and lse_p [S, H, splits], f32; a dead split's rows stay as
+    allocated (no kernel reads them)."""
+    return (torch.empty(S, H, splits, D, dtype=torch.float32, device=device),
+            torch.empty(S, H, splits, dtype=torch.float32, device=device))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, page_size: int, max_seq_len: int,
                      out: torch.Tensor | None = None, q8_1: bool = False, window: int = 0,
                      sinks: torch.Tensor | None = None, **params: Any) -> torch.Tensor | tuple[torch.Tensor, Q8_1]:
     """q [S, H, D]: the one new token of each sequence (its k/v already in the cache); block_tables
-    [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum, given
-    so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
+    [S, blocks] int32, seq_lens [S] int32 (keys per sequence, at least 1; max_seq_len their maximum or more,
+    given so the grid needs no device sync). Returns [S, H, D] in q's dtype. params override launch_params.
     `q8_1`: (out, its q8_1 copy as rows [S, H * D]), the bytes quantize_q8_1 of out gives, written by the
     kernel that writes out (the o_proj's int8 mat-vec then needs no quantize launch of its own).
     window > 0: the query sees the last `window` positions; sinks [H] f32: each head's sink logit."""
@@ -193,36 +235,35 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(2) != 1:
         q = q.contiguous()
     meta, opts = launch_params("decode", params)
-    block_n, partition = meta["block_n"], meta["partition"]
-    if partition % block_n or block_n & (block_n - 1) or block_n < 16:
-        raise ValueError(f"decode: block_n {block_n} (a power of two >= 16) must divide partition {partition}")
-    min_programs = meta.get("min_programs", 2 * _compute_units(q.device))
-    while partition > block_n and S * KV * triton.cdiv(max_seq_len, partition) < min_programs:
-        partition //= 2
-    n_part = triton.cdiv(max_seq_len, partition)
+    block_n, split_keys = meta["block_n"], meta["split_keys"]
+    if split_keys % block_n or split_keys < block_n or block_n & (block_n - 1) or block_n < 16:
+        raise ValueError(f"decode: block_n {block_n} (a power of two >= 16) must divide split_keys {split_keys}")
+    min_programs = meta.get("min_programs", 4 * _compute_units(q.device))
+    fill = _fill(S, KV, min_programs)
+    splits = split_count(S, KV, max_seq_len, window, block_n, split_keys, min_programs)
     group = H // KV
     block_d, dot_f32 = head_tiles(D, k_cache.dtype)
     if out is None:
         out = torch.empty_like(q)
-    single = n_part == 1
+    single = splits == 1
     fused_q8 = q8_1 and block_d == D and D % 32 == 0  # each program's heads are whole q8_1 blocks
     q8 = q8_1_buffers(S, H * D, q.device) if fused_q8 else (out,) * 3
-    part_o = out if single else torch.empty(S, H, n_part, D, dtype=torch.float32, device=q.device)
-    part_lse = out if single else torch.empty(S, H, n_part, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(S, KV, n_part)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *q8,
-        sinks if sinks is not None else seq_lens, scale * LOG2E, n_part,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+    part_o, part_lse = (out, out) if single else partial_buffers(S, H, splits, D, q.device)
+    sinks_arg = sinks if sinks is not None else seq_lens
+    _decode_split_kernel[(S, KV, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, *q8, sinks_arg, scale * LOG2E, fill,
+        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION=partition, DOT_F32=dot_f32, SINGLE=single, Q8=fused_q8, WINDOW=window,
+        BLOCK_N=block_n, SPLIT_KEYS=split_keys, DOT_F32=dot_f32, SINGLE=single, Q8=fused_q8, WINDOW=window,
         SINKS=int(sinks is not None), **opts, **pdl.launch_args(q.device),
     )
     if not single:
         _decode_combine_kernel[(S, H)](
-            part_o, part_lse, out, *q8, sinks if sinks is not None else seq_lens, n_part, out.stride(0),
-            out.stride(1), HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(n_part)), BLOCK_D=block_d, Q8=fused_q8,
-            SINKS=int(sinks is not None), **pdl.launch_args(q.device),
+            part_o, part_lse, out, seq_lens, *q8, sinks_arg, fill, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_P=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d, BLOCK_N=block_n,
+            SPLIT_KEYS=split_keys, Q8=fused_q8, WINDOW=window, SINKS=int(sinks is not None),
+            **pdl.launch_args(q.device),
         )
     if not q8_1:
         return out

@@ -3,7 +3,7 @@
 Caches are filled with NaN except at the positions sequences own, pages are shuffled across the pool and
 block-table padding points at a NaN page, so a key read past a sequence's end shows up in the output;
 outputs are NaN before each launch, so an unwritten row does too. Lengths are not multiples of the page,
-tile or partition sizes. Runs under TRITON_INTERPRET=1 on a CPU (tests/conftest.py) and natively on a GPU;
+tile or split sizes. Runs under TRITON_INTERPRET=1 on a CPU (tests/conftest.py) and natively on a GPU;
 bf16 caches only on a GPU (the interpreter has no bf16).
 """
 
@@ -67,7 +67,7 @@ def nan_like(q: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ decode
 
-DECODE_LENS = [1, 13, 40, 77]  # one key; inside a page; across partitions of 32; a partial last page
+DECODE_LENS = [1, 13, 40, 77]  # one key; inside a page; across splits of 32 keys; a partial last page
 
 
 @pytest.mark.parametrize("group,head_dim", SHAPES, ids=SHAPE_IDS)
@@ -77,16 +77,22 @@ def test_decode_split_and_combine_match_reference(dtype, group, head_dim):
     seq_lens, _ = query_layout(DECODE_LENS, [1] * len(DECODE_LENS))
     q = torch.randn(len(DECODE_LENS), group * KV, head_dim, generator=gen).to(DEVICE)
     out = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS), out=nan_like(q),
-                           block_n=16, partition=32)
+                           block_n=16, split_keys=32)
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, PAGE)) < TOL[dtype]
 
 
-def test_decode_in_one_partition_writes_the_output_directly():
+def test_decode_in_one_split_writes_the_output_directly(monkeypatch):
+    from vegaserve.triton_kernels import attention_decode
+
+    def no_partials(*args):
+        raise AssertionError("one split needs no partial buffers")
+
+    monkeypatch.setattr(attention_decode, "partial_buffers", no_partials)
     k, v, tables, gen = paged_cache(DECODE_LENS, 64, torch.float32, seed=2)
     seq_lens, _ = query_layout(DECODE_LENS, [1] * len(DECODE_LENS))
     q = torch.randn(len(DECODE_LENS), 4, 64, generator=gen).to(DEVICE)
     out = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS), out=nan_like(q),
-                           block_n=32, partition=128)
+                           block_n=32, split_keys=128, min_programs=0)
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, PAGE)) < 1e-5
 
 
@@ -95,18 +101,18 @@ def test_decode_with_page_size_one_reads_a_plain_slot_list():
     k, v, tables, gen = paged_cache(lens, 64, torch.float32, seed=3, page=1)
     seq_lens, _ = query_layout(lens, [1, 1])
     q = torch.randn(2, 2, 64, generator=gen).to(DEVICE)
-    out = decode_attention(q, k, v, tables, seq_lens, SCALE, 1, max(lens), out=nan_like(q), block_n=16, partition=16)
+    out = decode_attention(q, k, v, tables, seq_lens, SCALE, 1, max(lens), out=nan_like(q), block_n=16, split_keys=16)
     assert rel_err(out, reference_decode(q, k, v, tables, seq_lens, SCALE, 1)) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,partition,dtype", [(64, 32, torch.float32), (64, 128, torch.float16),
-                                                     (48, 32, torch.float32)],
-                         ids=["combine-f32", "one-partition-f16", "d48-quantize-launch"])
-def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monkeypatch, head_dim, partition,
+@pytest.mark.parametrize("head_dim,split_keys,dtype", [(64, 32, torch.float32), (64, 128, torch.float16),
+                                                      (48, 32, torch.float32)],
+                         ids=["combine-f32", "one-split-f16", "d48-quantize-launch"])
+def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monkeypatch, head_dim, split_keys,
                                                                             dtype):
     """q8_1=True: the output is the same bits as without it, and the q8_1 copy (buffers poisoned: q 77, d and
     s NaN) equals quantize_q8_1 of that output, code for code and scale for scale: written by the combine
-    (partitions of 32), by the split kernel (one partition), or, where a head is not whole q8_1 blocks of
+    (splits of 32 keys), by the split kernel (one split), or, where a head is not whole q8_1 blocks of
     its tile (head_dim 48 in a 64-wide tile), by a quantize launch after it."""
     from vegaserve.triton_kernels import attention_decode
     from vegaserve.triton_kernels.q8_1 import q8_1_buffers, quantize_q8_1
@@ -122,8 +128,9 @@ def test_decode_writes_the_q8_1_copy_that_quantize_q8_1_of_its_output_gives(monk
     seq_lens, _ = query_layout(DECODE_LENS, [1] * S)
     q = torch.randn(S, H, head_dim, generator=gen).to(dtype).to(DEVICE)
     args = (q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS))
-    plain = decode_attention(*args, out=nan_like(q), block_n=16, partition=partition)
-    out, (codes, d, sums) = decode_attention(*args, out=nan_like(q), block_n=16, partition=partition, q8_1=True)
+    cfg = dict(block_n=16, split_keys=split_keys, min_programs=0)
+    plain = decode_attention(*args, out=nan_like(q), **cfg)
+    out, (codes, d, sums) = decode_attention(*args, out=nan_like(q), q8_1=True, **cfg)
     assert torch.equal(out, plain)
     want = quantize_q8_1(out.reshape(S, -1))
     assert torch.equal(codes, want[0])
@@ -157,7 +164,7 @@ def test_prefill_kernel_on_one_token_sequences_equals_decode_kernel():
     q = torch.randn(len(DECODE_LENS), 4, 64, generator=gen).to(DEVICE)
     pre = prefill_attention(q, k, v, tables, seq_lens, qstart, SCALE, PAGE, 1, out=nan_like(q), block_m=16, block_n=16)
     dec = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(DECODE_LENS), out=nan_like(q),
-                           block_n=16, partition=32)
+                           block_n=16, split_keys=32)
     assert rel_err(pre, dec.double()) < 1e-5
 
 
@@ -218,7 +225,7 @@ def test_attend_takes_decode_for_one_token_batches_and_prefill_otherwise():
         seq_lens, qstart = query_layout(lens, rows)
         q = torch.randn(sum(rows), 2, 64, generator=gen).to(DEVICE)
         out, q8 = attend(q, k, v, tables, seq_lens, qstart, SCALE, PAGE, max(lens), max(rows), out=nan_like(q),
-                         block_n=16, partition=16, block_m=16, q8_1=True)
+                         block_n=16, split_keys=16, block_m=16, q8_1=True)
         assert rel_err(out, reference_attend(q, k, v, tables, seq_lens, qstart, SCALE, PAGE)) < 1e-5
         assert (q8 is None) == (max(rows) > 1)  # the decode kernel writes the q8_1 copy, the prefill one not
 
@@ -252,5 +259,5 @@ def test_bf16_cache_decode_and_prefill_match_reference():
     seq_lens, _ = query_layout(lens, [1] * len(lens))
     q1 = q[: len(lens)].contiguous()
     out = decode_attention(q1, k, v, tables, seq_lens, SCALE, PAGE, max(lens), out=nan_like(q1),
-                           partition=16, block_n=16)
+                           split_keys=16, block_n=16)
     assert rel_err(out, reference_decode(q1, k, v, tables, seq_lens, SCALE, PAGE)) < 3e-3

@@ -1,5 +1,5 @@
 """The attention kernels compile for an NVIDIA sm_90 and an AMD gfx906 target with each backend's fallback
-launch parameters, the decode split kernel with one partition and several, and the kernels that write the
+launch parameters, the decode split kernel with one split and several, and the kernels that write the
 output with and without its q8_1 copy, and gpt-oss's sliding window and attention sinks:
 the interpreter accepts code the compiler rejects, and these compilers need no GPU.
 
@@ -33,14 +33,15 @@ pdl = backend == "cuda"  # programmatic dependent launch: sm_90's, AMD has none 
 meta, opts = split_params(backend_fallback(backend, "decode"))
 for single, q8 in ((False, False), (True, True), (False, True), (True, False)):
     build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
-          BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=single, Q8=q8, PDL=pdl),
+          BLOCK_N=meta["block_n"], SPLIT_KEYS=meta["split_keys"], DOT_F32=False, SINGLE=single, Q8=q8, PDL=pdl),
           opts)
 # gpt-oss's layers: a sliding window and attention sinks
 build(dec._decode_split_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128,
-      BLOCK_N=meta["block_n"], PARTITION=meta["partition"], DOT_F32=False, SINGLE=False, Q8=False, PDL=pdl,
+      BLOCK_N=meta["block_n"], SPLIT_KEYS=meta["split_keys"], DOT_F32=False, SINGLE=False, Q8=False, PDL=pdl,
       WINDOW=128, SINKS=1), opts)
-for q8, sinks in ((False, 0), (True, 0), (False, 1)):
-    build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, Q8=q8, PDL=pdl, SINKS=sinks), {})
+for q8, window, sinks in ((False, 0, 0), (True, 0, 0), (False, 128, 1)):
+    build(dec._decode_combine_kernel, dict(HEAD_DIM=128, BLOCK_P=32, BLOCK_D=128, BLOCK_N=meta["block_n"],
+          SPLIT_KEYS=meta["split_keys"], Q8=q8, PDL=pdl, WINDOW=window, SINKS=sinks), {})
 meta, opts = split_params(backend_fallback(backend, "prefill"))
 for window, sinks in ((0, 0), (128, 1)):
     build(pre._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=4, BLOCK_Q=meta["block_m"] // 4,

@@ -1,5 +1,5 @@
 """Sliding-window attention and attention sinks (gpt-oss) in the paged-attention kernels, against the float64
-references: decode (one partition, and split + combine where the window leaves early partitions empty),
+references: decode (one split, and split + combine over the keys the window leaves),
 prefill and chunked prefill where the window is shorter than a query block (rows that see no key in the
 first tiles), with and without sinks. The same NaN-poisoned caches and outputs as test_attention.py."""
 
@@ -25,15 +25,16 @@ def _sinks(group: int, on: bool, seed: int) -> torch.Tensor | None:
 
 
 @pytest.mark.parametrize("window, sinks_on", CASES, ids=IDS)
-@pytest.mark.parametrize("partition", [128, 16], ids=["one-partition", "split"])
-def test_decode_with_a_window_and_sinks_matches_the_reference(window, sinks_on, partition):
+@pytest.mark.parametrize("split_keys", [128, 16], ids=["one-split", "split"])
+def test_decode_with_a_window_and_sinks_matches_the_reference(window, sinks_on, split_keys):
+    """A window of 8 is one 16-key tile, so it stays one split; the others split in 16 keys."""
     group, D = 2, 64
     k, v, tables, gen = paged_cache(LENS, D, torch.float32, seed=31)
     seq_lens, _ = query_layout(LENS, [1] * len(LENS))
     q = torch.randn(len(LENS), group * KV, D, generator=gen).to(DEVICE)
     sinks = _sinks(group, sinks_on, 32)
     out = decode_attention(q, k, v, tables, seq_lens, SCALE, PAGE, max(LENS), out=nan_like(q), block_n=16,
-                           partition=partition, window=window, sinks=sinks)
+                           split_keys=split_keys, min_programs=0, window=window, sinks=sinks)
     ref = reference_decode(q, k, v, tables, seq_lens, SCALE, PAGE, window, sinks)
     assert rel_err(out, ref) < TOL[torch.float32]
 
