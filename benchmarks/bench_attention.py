@@ -8,6 +8,8 @@ timed. Prints a table and one JSON line per row.
     python benchmarks/bench_attention.py --graph 32 --batches 1 --contexts 176 --prefill ''
         # decode as the decode graph runs it: 32 calls (one per layer) captured back to back and replayed,
         # the median per call (no launch latency from the host; do_bench otherwise)
+    python benchmarks/bench_attention.py --graph 32 --batches 64 --contexts 512 --max-seq-len 262144 --prefill ''
+        # the decode graphs' grid: sized for max_model_len (262144 here), sequences far shorter
 
 Shapes default to Llama-3-8B's attention (32 query heads over 8 kv heads, head_dim 128) with an f16 cache
 of 16-slot pages, pages shuffled across the pool. Ceilings measured in the same run: decode reads K and V
@@ -70,10 +72,11 @@ def decode_row(args, dtype, batch: int, ctx: int, cfg: dict, timed: bool, bw: fl
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(batch, args.heads, args.head_dim, device=device).to(dtype)
     scale = args.head_dim**-0.5
-    run = lambda: decode_attention(q, k, v, tables, seq_lens, scale, args.page, ctx, **cfg)  # noqa: E731
+    max_len = args.max_seq_len or ctx
+    run = lambda: decode_attention(q, k, v, tables, seq_lens, scale, args.page, max_len, **cfg)  # noqa: E731
     check = min(batch, 4)  # the reference is slow: its first sequences
     err = rel_err(run()[:check], reference_decode(q[:check], k, v, tables[:check], seq_lens[:check], scale, args.page))
-    row = {"op": "decode", "batch": batch, "context": ctx, "relerr": err, "cfg": cfg}
+    row = {"op": "decode", "batch": batch, "context": ctx, "max_seq_len": max_len, "relerr": err, "cfg": cfg}
     if timed:
         ms = bench_graph([run] * args.graph) if args.graph else bench(run)
         nbytes = 2 * batch * ctx * args.kv_heads * args.head_dim * k.element_size()
@@ -110,7 +113,7 @@ def prefill_row(args, dtype, cached: int, new: int, cfg: dict, timed: bool) -> d
 def show(row: dict, tol: float) -> bool:
     """Print the row; whether its error is within tol."""
     if row["op"] == "decode":
-        what = f"decode  B={row['batch']:<3d} ctx={row['context']:<6d}"
+        what = f"decode  B={row['batch']:<3d} ctx={row['context']:<6d} max={row['max_seq_len']:<6d}"
         perf = f"{row['ms']:8.4f} ms {row['gbps']:7.0f} GB/s {row['pct_bw']:5.1f}%bw" if "ms" in row else ""
     else:
         what = f"prefill cached={row['cached']:<5d} new={row['new']:<5d}"
@@ -135,6 +138,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
     ap.add_argument("--decode-configs", default="[{}]", help="JSON list of decode launch overrides; each is run")
     ap.add_argument("--prefill-configs", default="[{}]", help="JSON list of prefill launch overrides")
+    ap.add_argument("--max-seq-len", type=int, default=0,
+                    help="max_seq_len given to decode (0: the context; the decode graphs give max_model_len)")
     ap.add_argument("--graph", type=int, default=0,
                     help="time decode as N calls replayed in one graph (0: do_bench, one launch per call)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, correctness only (the interpreter on a CPU)")
@@ -149,6 +154,9 @@ def main() -> None:
             args.dtype = "f16"  # the interpreter has no bf16
     elif not timed:
         sys.exit("bench_attention needs a GPU (or --tiny for the correctness part under the interpreter)")
+    contexts = [int(x) for x in args.contexts.split(",")]
+    if args.max_seq_len and args.max_seq_len < max(contexts):
+        sys.exit(f"--max-seq-len {args.max_seq_len} is below the longest context {max(contexts)}")
     dtype = DTYPES[args.dtype]
     bw = copy_bandwidth() if timed else 0.0
     if timed:
@@ -158,7 +166,7 @@ def main() -> None:
     wrong = 0
     for cfg in json.loads(args.decode_configs):
         for batch in (int(x) for x in args.batches.split(",")):
-            for ctx in (int(x) for x in args.contexts.split(",")):
+            for ctx in contexts:
                 wrong += not show(decode_row(args, dtype, batch, ctx, cfg, timed, bw), tol)
     for cfg in json.loads(args.prefill_configs):
         for total in (int(x) for x in args.prefill.split(",") if x):
