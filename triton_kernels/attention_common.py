@@ -26,7 +26,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch parameters per backend; a tuning file (configs/kernels/<target>.json) overrides them under
 # "attention": {"decode": {...}, "prefill": {...}}. block_n: keys per tile; split_keys: the most keys one
 # decode program takes (a multiple of block_n); min_programs: the decode grid splits each sequence's keys
-# further until it has that many programs (4 per compute unit by default; attention_decode.split_count);
+# further until it has that many programs (2 per compute unit by default; attention_decode.split_count);
 # block_m: query rows (tokens x heads of one group) per prefill program. The other keys are compiler
 # options.
 # NVIDIA (warp 32, tensor cores), sm_90: the rule timed on an H200 (docs/PERFORMANCE.md): decode 64-key

@@ -238,7 +238,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n, split_keys = meta["block_n"], meta["split_keys"]
     if split_keys % block_n or split_keys < block_n or block_n & (block_n - 1) or block_n < 16:
         raise ValueError(f"decode: block_n {block_n} (a power of two >= 16) must divide split_keys {split_keys}")
-    min_programs = meta.get("min_programs", 4 * _compute_units(q.device))
+    min_programs = meta.get("min_programs", 2 * _compute_units(q.device))
     fill = _fill(S, KV, min_programs)
     splits = split_count(S, KV, max_seq_len, window, block_n, split_keys, min_programs)
     group = H // KV
