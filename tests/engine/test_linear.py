@@ -344,3 +344,41 @@ def test_a_stack_of_experts_launches_with_the_entry_for_its_assignments(tmp_path
             assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, (tokens, expect)
     with pytest.raises(ModelLoadError, match="experts entry at 4 assignments names kernel 'nope'"):
         load({"matvec": matvec_table, "experts": {"Q8_0": {"any": {"4": {"kernel": "nope"}}}}})
+
+
+def test_a_gemm_entry_with_int8_runs_the_gemms_int8_mode_on_one_q8_1_copy_of_x(tmp_path, monkeypatch):
+    """Q4_K and Q6_K stacked over Q8_0, dense_from_m 40, a gemm entry with int8 1 for Q4_K and Q6_K at the 32-row
+    bucket (int8 0 at 16): at 20 rows the layer quantizes x once for both (or takes the copy handed over, as the norm
+    before writes it: wants_q8_1), their parts within the q8_1 rounding (8e-3, tests/triton_kernels/
+    test_gemm_int8.py) of the same layer without the entry (f32 operands) and within 1e-5 of the product on
+    x's q8_1 form; Q8_0's part, without int8, the same bits as there. At 12 rows (the 16-row bucket, no
+    entry) nothing is quantized."""
+    from vegaserve.triton_kernels import gemm
+    from vegaserve.triton_kernels.matvec_int8 import reference_matvec_q8_1
+
+    real = q8_1.quantize_q8_1
+    made = _count_quantizes(monkeypatch)
+    monkeypatch.setattr(gemm, "quantize_q8_1", lambda x: made.append("gemm") or real(x))
+    entry = {"16": {"int8": 0}, "32": {"int8": 1}}
+    table = {"prefill": {"dense_from_m": 40}, "gemm": {"Q4_K": {"any": entry}, "Q6_K": {"any": entry}}}
+    k = 512
+    sources = _sources(torch.Generator().manual_seed(31), k, [("Q4_K", 24), ("Q6_K", 16), ("Q8_0", 24)])
+    layer = _layer(tmp_path, table, sources, k, gemm_dtype=torch.float32)
+    plain = _layer(tmp_path, {"prefill": {"dense_from_m": 40}}, sources, k, name="plain.json", gemm_dtype=torch.float32)
+    assert [by_m[32].get("int8", 0) for by_m in layer.gemm] == [1, 1, 0]
+    assert layer.wants_q8_1(20) and not layer.wants_q8_1(12) and not plain.wants_q8_1(20)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    y = layer(x)
+    assert made == ["layer"]
+    want = plain(x)
+    assert torch.equal(y[:, 40:], want[:, 40:])
+    rel = float((y[:, :40] - want[:, :40]).norm() / want[:, :40].norm())
+    assert 1e-4 < rel < 8e-3  # the int8 mode ran (not the f32 product) and is within the q8_1 rounding
+    q, d, s = real(x)
+    for part, w in zip(y[:, :40].split([24, 16], dim=-1), layer.packed[:2], strict=True):
+        ref = reference_matvec_q8_1(q.cpu(), d.cpu(), _cpu(w))
+        assert float((part.cpu().double() - ref).norm() / ref.norm()) < 1e-5, w.type_name
+    made.clear()
+    assert torch.equal(layer(x, (q, d, s)), y) and made == []  # the handed-over copy, not a new one
+    layer(torch.randn(12, k, generator=torch.Generator().manual_seed(33)).to(DEVICE))
+    assert made == []
