@@ -182,7 +182,16 @@ def gemm_params(w: PackedWeight, m: int, tuning, sms: int) -> dict[str, int]:
     if entry.get("int8") and w.type_id not in INT8_TYPES:
         raise ValueError(f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} gemm entry at "
                          f"{m} rows sets int8; the GEMM's int8 mode has no codes for {w.type_name}")
-    return {**gemm_rule(w.type_id, w.n, w.k, m, sms), **entry}
+    return launch_over(gemm_rule(w.type_id, w.n, w.k, m, sms), entry)
+
+
+def launch_over(base: dict[str, int], entry: dict[str, int]) -> dict[str, int]:
+    """entry's launch parameters over base's; an entry that turns int8 on without saying `sub` drops base's
+    (the product a sub-block is the float mode's)."""
+    params = {**base, **entry}
+    if params.get("int8") and "sub" not in entry:
+        params.pop("sub", None)
+    return params
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int = 64, nb: int = 8,
