@@ -7,10 +7,15 @@ dequantizer) once per BLOCK_M rows of x and fed to the matrix units as the left 
 bf16 / fp16, f32 with IEEE products for the exact checks), the weight rows on the instruction's M side, so at
 up to BLOCK_M rows every weight byte is read once. Q4_K can instead take a product a sub-block, its codes
 straight from the nibbles in k order (SUB, _q4_k_subblocks: no interleaving of a chunk's two runs), which the
-rule picks where it measured faster. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
+rule picks where it measured faster. INT8 (gemm_int8.py: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL, MXFP4) takes x's
+q8_1 copy instead: per 32-element sub-block the weight's integer codes and x's times each other in a tl.dot
+with an int32 result (compiled: wgmma on s8 for sm_90, v_dot4_i32_i8 for gfx906), scaled into the f32 accumulator by
+the weight's scale and x's d (Q4_K, Q5_K less dmin m times q8_1's sums); not timed on a GPU yet, so only a
+tuning entry selects it, never the rule. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
 in fixed order. The mixture-of-experts grouped GEMM (moe.py) is this kernel with its rows taken from one
-expert's run of assignments (GROUPED). Launch parameters: the tuning file's `gemm` table over `gemm_rule`.
-Torch reference: matmul.reference_matmul.
+expert's run of assignments (GROUPED; with INT8 its q8_1 rows gathered as x's). Launch parameters: the
+tuning file's `gemm` table over `gemm_rule`. Torch reference: matmul.reference_matmul (INT8:
+matvec_int8.reference_matvec_q8_1).
 """
 
 from __future__ import annotations
