@@ -3,7 +3,7 @@ vendor bf16 GEMM on the same shape, repacked against canonical. Prints a table a
 
     python benchmarks/bench_kernels.py --types Q4_K,Q8_0 --ms 1,8,256,2048 [--shapes 4096x4096,...]
         [--sweep '[{"kernel": "int8", "block_n": 32}, ...]'] [--canonical] [--tuning FILE]
-        [--gemm-sweep '[{"block_m": 64, "block_n": 64, "nb": 8, "split_k": 2}, {"int8": 1}, ...]']
+        [--gemm-sweep '[{"block_m": 64, "block_n": 64, "nb": 8, "split_k": 2}, ...]']
 
 Up to 8 rows: the decode mat-vec (triton_kernels/matvec.py) with the kernel and launch parameters the
 tuning file gives that type, shape and row count (as a model load picks them), timed as the decode graph
@@ -11,10 +11,8 @@ runs it: calls on rotating weight copies captured in one CUDA graph and replayed
 copy made once outside the timed calls (in a decode step the op before writes it). --sweep: entries over
 the file's (each may name another kernel); the fastest right one is reported. Above 8 rows: the quantized
 GEMM (gemm.quant_gemm: tiles dequantized in registers) with the launch a model load picks (the file's
-`gemm` entry over gemm.gemm_rule) and each --gemm-sweep entry on top of it, timed in graphs as the mat-vec
-(an entry with "int8": 1 takes the GEMM's int8 mode on x's q8_1 copy, made once outside the timed calls as
-for the mat-vec), and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM),
-timed with triton.testing.do_bench. Every result is checked against the reference dequantizer's
+`gemm` entry over gemm.gemm_rule) and each --gemm-sweep entry on top of it, timed in graphs as the mat-vec, and the prefill path (the weight dequantized into a scratch copy, then the vendor GEMM), timed
+with triton.testing.do_bench. Every result is checked against the reference dequantizer's
 product before it is timed. Weights are random valid blocks (finite scales), activations random normal:
 never zeros. Ceilings are measured in the same run: a 2 GiB device-to-device copy (bytes read + written)
 and torch.matmul in bf16.
@@ -33,7 +31,7 @@ import dataclasses
 
 from vegaserve.triton_kernels.dequant import GGML_TYPES, dequantize
 from vegaserve.triton_kernels.layout import canonical, repack, unpack_to_canonical
-from vegaserve.triton_kernels.gemm import gemm_params, launch_over, quant_gemm
+from vegaserve.triton_kernels.gemm import gemm_params, quant_gemm
 from vegaserve.triton_kernels.matmul import dense_gemm
 from vegaserve.triton_kernels.matvec import Choice, choose, device_shape, matvec
 from vegaserve.triton_kernels.q8_1 import quantize_q8_1
@@ -121,10 +119,8 @@ def main() -> None:
                                                  for wi in rotation]))
                         elif path == "gemm":
                             base = gemm_params(w, m, tuning, device_shape(w.data.device)[0])
-                            q8 = quantize_q8_1(x)  # the int8 mode's input, made outside the timed calls
-                            ops = [(launch_over(base, c), [lambda wi=wi, p=launch_over(base, c): quant_gemm(
-                                        xb, wi, **p, **({"q8_1": q8} if p.get("int8") else {})) for wi in rotation])
-                                   for c in configs]
+                            ops = [({**base, **c}, [lambda wi=wi, p={**base, **c}: quant_gemm(xb, wi, **p)
+                                                    for wi in rotation]) for c in configs]
                         else:
                             ops = [(c, [run_op(x, w, path, c, scratch)]) for c in configs]
 

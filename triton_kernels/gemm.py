@@ -7,15 +7,10 @@ dequantizer) once per BLOCK_M rows of x and fed to the matrix units as the left 
 bf16 / fp16, f32 with IEEE products for the exact checks), the weight rows on the instruction's M side, so at
 up to BLOCK_M rows every weight byte is read once. Q4_K can instead take a product a sub-block, its codes
 straight from the nibbles in k order (SUB, _q4_k_subblocks: no interleaving of a chunk's two runs), which the
-rule picks where it measured faster. INT8 (gemm_int8.py: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL, MXFP4) takes x's
-q8_1 copy instead: per 32-element sub-block the weight's integer codes and x's times each other in a tl.dot
-with an int32 result (compiled: wgmma on s8 for sm_90, v_dot4_i32_i8 for gfx906), scaled into the f32 accumulator by
-the weight's scale and x's d (Q4_K, Q5_K less dmin m times q8_1's sums); not timed on a GPU yet, so only a
-tuning entry selects it, never the rule. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
+rule picks where it measured faster. Split-K partials go to a [SPLIT_K, M, N] f32 buffer summed
 in fixed order. The mixture-of-experts grouped GEMM (moe.py) is this kernel with its rows taken from one
-expert's run of assignments (GROUPED; with INT8 its q8_1 rows gathered as x's). Launch parameters: the
-tuning file's `gemm` table over `gemm_rule`. Torch reference: matmul.reference_matmul (INT8:
-matvec_int8.reference_matvec_q8_1).
+expert's run of assignments (GROUPED). Launch parameters: the tuning file's `gemm` table over `gemm_rule`.
+Torch reference: matmul.reference_matmul.
 """
 
 from __future__ import annotations
@@ -26,10 +21,8 @@ import triton.language as tl
 
 from vegaserve.triton_kernels.dequant import GGMLType, spec_for
 from vegaserve.triton_kernels.flat_words import q4_k_scale_min
-from vegaserve.triton_kernels.gemm_int8 import INT8_TYPES, int8_products
 from vegaserve.triton_kernels.layout import PackedWeight
 from vegaserve.triton_kernels.matmul import SUPPORTED, dequant_tile, tile_split
-from vegaserve.triton_kernels.q8_1 import Q8_1, quantize_q8_1
 from vegaserve.triton_kernels.tiles_iq import table_for
 
 
@@ -85,8 +78,7 @@ def _q4_k_subblocks(acc, base, o0, r0, b0, o2, r2, b2, rows64, rmask, blk, x_ptr
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, y_ptr, base,  # pointers: activations [R, K] (INT8: their q8_1 codes), output [SPLIT_K, rows, N] f32,
-    xd_ptr, xs_ptr,  # weight bytes; INT8: the q8_1 scales d and d * sum(q) [R, K / 32]
+    x_ptr, y_ptr, base,  # pointers: activations [R, K], output [SPLIT_K, rows, N] f32, weight bytes
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # weight fields (layout.py)
     M, N, K, blocks_per_split,  # sizes (M: x's rows; GROUPED: the assignments)
     stride_xm, stride_ym, stride_ys,  # strides (x's rows, y's rows, y's splits)
@@ -94,7 +86,6 @@ def _gemm_kernel(
     WTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
     GROUPED: tl.constexpr = 0, XDIV: tl.constexpr = 1, E_P2: tl.constexpr = 1, DOT_F32: tl.constexpr = 0,
     SUB: tl.constexpr = 0,  # Q4_K a super-block an iteration, a product a sub-block (_q4_k_subblocks)
-    INT8: tl.constexpr = 0,  # int8 products on x's q8_1, a sub-block each (gemm_int8.int8_products)
     tab_ptr=None,  # the lattice table of the IQ1/IQ2/IQ3 types (tiles_iq.table_for)
 ):
     # program_id(0): a block of BLOCK_M rows of x (GROUPED: of one expert's padded run of assignments),
@@ -118,10 +109,7 @@ def _gemm_kernel(
     rows64 = tl.where(rmask, rows, 0).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T: the weight rows fill the matrix unit's M side
     for i in range(0, n_iter):
-        if INT8:
-            acc = int8_products(acc, WTYPE, base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, rows64, rmask,
-                                first + i * NB, x_ptr, xd_ptr, xs_ptr, xrow, valid, stride_xm, K, BLOCK_N, NB)
-        elif SUB:
+        if SUB:
             acc = _q4_k_subblocks(acc, base, o0, r0, b0, o2, r2, b2, rows64, rmask, first + i, x_ptr, xrow, valid,
                                   stride_xm, DOT_F32)
         else:
@@ -138,7 +126,7 @@ def _gemm_kernel(
     tl.store(out, acc, mask=rmask[:, None] & valid[None, :])
 
 
-GEMM_PARAMETERS = frozenset({"block_m", "block_n", "nb", "split_k", "num_warps", "num_stages", "sub", "int8"})
+GEMM_PARAMETERS = frozenset({"block_m", "block_n", "nb", "split_k", "num_warps", "num_stages", "sub"})
 
 
 def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
@@ -152,8 +140,7 @@ def gemm_rule(type_id: int, n: int, k: int, m: int, sms: int) -> dict[str, int]:
     the same launch otherwise; its prototype 80.8 against 103.3 us at 64 rows on an H100).
     On the narrower Llama-3-8B shapes it was within 5% (slower at 16 rows on 6144x4096); at 16 rows on
     28672x4096 it was fastest with x on the M side and K split in two (62.0 against 84.0 us), a launch this
-    kernel does not have, and with this launch not among the eight fastest. The int8 mode (`int8`) is
-    never chosen here: it has not been timed on a GPU, so only a tuning entry or a sweep selects it."""
+    kernel does not have, and with this launch not among the eight fastest."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
     params = {"block_m": block_m, "block_n": 64, **gemm_tiles(type_id), "split_k": 1, "num_warps": 4}
@@ -176,38 +163,22 @@ def gemm_tiles(type_id: int) -> dict[str, int]:
 
 def gemm_params(w: PackedWeight, m: int, tuning, sms: int) -> dict[str, int]:
     """The tuning file's `gemm` entry for w at m rows over the rule; an entry naming a parameter the
-    launcher does not take is refused (it would be ignored without a word), as is int8 on a type without
-    the int8 mode (gemm_int8.INT8_TYPES)."""
+    launcher does not take is refused (it would be ignored without a word)."""
     entry = tuning.gemm(w.type_name, w.n, w.k, m)
     unknown = set(entry) - GEMM_PARAMETERS
     if unknown:
         raise ValueError(f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} gemm entry "
                          f"at {m} rows sets {', '.join(sorted(unknown))}; "
                          f"the GEMM takes {', '.join(sorted(GEMM_PARAMETERS))}")
-    if entry.get("int8") and w.type_id not in INT8_TYPES:
-        raise ValueError(f"tuning file {tuning.file or tuning.target}: the {w.type_name} {w.n}x{w.k} gemm entry at "
-                         f"{m} rows sets int8; the GEMM's int8 mode has no codes for {w.type_name}")
-    return launch_over(gemm_rule(w.type_id, w.n, w.k, m, sms), entry)
-
-
-def launch_over(base: dict[str, int], entry: dict[str, int]) -> dict[str, int]:
-    """entry's launch parameters over base's; an entry that turns int8 on without saying `sub` drops base's
-    (the product a sub-block is the float mode's)."""
-    params = {**base, **entry}
-    if params.get("int8") and "sub" not in entry:
-        params.pop("sub", None)
-    return params
+    return {**gemm_rule(w.type_id, w.n, w.k, m, sms), **entry}
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int = 64, nb: int = 8,
-               split_k: int = 1, num_warps: int = 4, num_stages: int = 2, grouped=None, sub: int = 0, int8: int = 0,
-               q8_1: Q8_1 | None = None) -> torch.Tensor:
+               split_k: int = 1, num_warps: int = 4, num_stages: int = 2, grouped=None, sub: int = 0) -> torch.Tensor:
     """x [M, K] (bf16/fp16, or f32 with IEEE products) -> y [M, N] f32, W dequantized tile by tile in
     registers. `grouped` (order, counts, starts, pstarts, x_div, count): w a stack of experts and y [count,
     N] each assignment's expert times its row of x (moe.grouped_quant_gemm sorts them). nb counts 32-element
-    units, as tile_split's. sub 1 (Q4_K, tiles of one super-block): a product a sub-block (_q4_k_subblocks).
-    int8 1 (the types of gemm_int8.INT8_TYPES): y = q8_1(x) @ W^T in int8 products, on `q8_1` (x's q8_1
-    form, as the norm before wrote it) where given, else on x quantized here (one more launch)."""
+    units, as tile_split's. sub 1 (Q4_K, tiles of one super-block): a product a sub-block (_q4_k_subblocks)."""
     M, K = x.shape
     if K != w.k or (grouped is None and w.expert_bytes):
         raise ValueError(f"the quantized GEMM takes x [M, {w.k}] and one matrix; got x {tuple(x.shape)}")
@@ -216,15 +187,11 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int
     if min(block_m, block_n) < 16:
         raise ValueError(f"the quantized GEMM's blocks are at least 16 rows (the matrix units' size), got "
                          f"block_m {block_m}, block_n {block_n}")
+    x = x.contiguous()
     nb, per_split, split_k = tile_split(w.type_id, K, nb, split_k)
-    if sub and (w.type_id != GGMLType.Q4_K or nb != 1 or int8):
-        raise ValueError(f"the GEMM's product a sub-block is Q4_K's with tiles of one super-block (nb 8) on "
-                         f"float x; got {w.type_name} with nb {nb * _qk(w.type_id) // 32}" + (", int8" if int8 else ""))
-    if int8:
-        x, xd, xs = _int8_operands(x, w, q8_1)
-    else:
-        x = x.contiguous()
-        xd = xs = x
+    if sub and (w.type_id != GGMLType.Q4_K or nb != 1):
+        raise ValueError(f"the GEMM's product a sub-block is Q4_K's with tiles of one super-block (nb 8); got "
+                         f"{w.type_name} with nb {nb * _qk(w.type_id) // 32}")
     rows = grouped[5] if grouped is not None else M
     y = torch.empty(split_k, rows, w.n, dtype=torch.float32, device=x.device)
     m_blocks = triton.cdiv(rows, block_m) + (w.experts if grouped is not None else 0)
@@ -237,27 +204,13 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, block_m: int = 64, block_n: int
         group_args, group_consts = (x, x, x, x, 0, 0), {}
     if rows:
         _gemm_kernel[grid](
-            x, y, w.data, xd, xs, *w.field_args(), M, w.n, K, per_split, x.stride(0), w.n, rows * w.n, *group_args,
+            x, y, w.data, *w.field_args(), M, w.n, K, per_split, x.stride(0), w.n, rows * w.n, *group_args,
             WTYPE=w.type_id, QK=_qk(w.type_id), BLOCK_M=block_m, BLOCK_N=block_n, NB=nb,
-            DOT_F32=int(x.dtype == torch.float32), SUB=int(bool(sub)), INT8=int(bool(int8)), **group_consts,
+            DOT_F32=int(x.dtype == torch.float32), SUB=int(bool(sub)), **group_consts,
             tab_ptr=table_for(w.type_id, w.data.device),
             num_warps=num_warps, num_stages=num_stages,
         )
     return y[0] if split_k == 1 else y.sum(0)
-
-
-def _int8_operands(x: torch.Tensor, w: PackedWeight, q8_1: Q8_1 | None) -> Q8_1:
-    """The int8 mode's x: its q8_1 codes [M, K], d and d sum(q) [M, K / 32], each contiguous (the kernel
-    takes K and K / 32 as their row strides)."""
-    if w.type_id not in INT8_TYPES:
-        raise ValueError(f"the GEMM's int8 mode has no codes for {w.type_name}; it takes "
-                         f"{', '.join(sorted(GGMLType(t).name for t in INT8_TYPES))}")
-    M, K = x.shape
-    q, d, s = q8_1 if q8_1 is not None else quantize_q8_1(x)
-    if q.shape != (M, K) or d.shape != (M, K // 32) or s.shape != d.shape or q.dtype != torch.int8:
-        raise ValueError(f"the GEMM's int8 mode takes x's q8_1 as int8 [{M}, {K}] and two f32 [{M}, {K // 32}]; got "
-                         f"{tuple(q.shape)} {q.dtype}, {tuple(d.shape)}, {tuple(s.shape)}")
-    return q.contiguous(), d.contiguous(), s.contiguous()
 
 
 def _qk(type_id: int) -> int:

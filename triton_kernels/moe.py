@@ -80,18 +80,16 @@ def sorted_runs(experts: Experts, n_experts: int, block_m: int) -> tuple[torch.T
     return experts.sorts[key]
 
 
-def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64, int8: int = 0,
-                       q8_1: Q8_1 | None = None) -> torch.Tensor:
+def grouped_quant_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_n: int = 64) -> torch.Tensor:
     """The grouped path on the quantized stack: x [R, K] (bf16/fp16, or f32 with IEEE products) -> y [A, N]
     f32, each expert in use read once per BLOCK_M of its assignments: BLOCK_M the power of two (16 to 64)
     holding an expert's share of the assignments were they spread evenly; tiles and stages as
-    gemm.gemm_tiles gives them for the type, no K split (the experts in use fill the grid). int8, q8_1: the
-    GEMM's int8 mode (gemm.quant_gemm), x's q8_1 rows gathered as x's are."""
+    gemm.gemm_tiles gives them for the type, no K split (the experts in use fill the grid)."""
     A = experts.count
     block_m = min(64, max(16, triton.next_power_of_2(-(-A // w.experts))))
     order, counts, starts, pstarts = sorted_runs(experts, w.experts, block_m)
     return quant_gemm(x, w, block_m=block_m, block_n=block_n, **gemm_tiles(w.type_id),
-                      grouped=(order, counts, starts, pstarts, experts.x_div, A), int8=int8, q8_1=q8_1)
+                      grouped=(order, counts, starts, pstarts, experts.x_div, A))
 
 
 def grouped_gemm(x: torch.Tensor, w: PackedWeight, experts: Experts, block_m: int = 64, block_n: int = 64,

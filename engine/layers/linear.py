@@ -211,8 +211,6 @@ class TritonMethod(QuantMethod):
     so q/k/v and gate/up cost one launch each; mixed types run one mat-vec per type. The int8 kernels
     multiply x's q8_1 copy: with `q8_1_cache` (GGML_CUDA_Q8_1_CACHE, on by default) x is quantized once
     for every matrix of the layer, or by the op before (wants_q8_1); off, each matrix quantizes its own.
-    The same holds for the quantized GEMM at a row bucket whose launch sets `int8` (a tuning entry; the rule
-    never does).
     """
 
     def __init__(self, repack: bool = True, gemm_dtype: torch.dtype | None = None, tuning_file: str | None = None,
@@ -328,11 +326,7 @@ class TritonMethod(QuantMethod):
         return out
 
     def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
-        if not self.q8_1_cache:
-            return False
-        if self._decode(m):
-            return any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
-        return m < self.tuning.dense_from_m and any(by_m[_bucket(layer, m)].get("int8") for by_m in layer.gemm)
+        return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.gemm import quant_gemm
@@ -342,16 +336,11 @@ class TritonMethod(QuantMethod):
 
         m = x.shape[0]
         if not self._decode(m):
+            xq = x.to(self.gemm_dtype)
             if m < self.tuning.dense_from_m:  # the weights read once, dequantized in registers
-                launches = [by_m[_bucket(layer, m)] for by_m in layer.gemm]
-                if self.q8_1_cache and q8_1 is None and any(p.get("int8") for p in launches):
-                    q8_1 = quantize_q8_1(x)  # once for every matrix of the layer whose launch takes int8
-                shared = q8_1 if self.q8_1_cache else None  # None: each int8 launch quantizes x itself
-                xq = x if all(p.get("int8") for p in launches) else x.to(self.gemm_dtype)
-                outs = [quant_gemm(xq, w, **p, **({"q8_1": shared} if p.get("int8") else {}))
-                        for w, p in zip(layer.packed, launches, strict=True)]
+                bucket = next(b for b in layer.gemm[0] if b >= m)
+                outs = [quant_gemm(xq, w, **by_m[bucket]) for w, by_m in zip(layer.packed, layer.gemm, strict=True)]
             else:
-                xq = x.to(self.gemm_dtype)
                 outs = [dense_gemm(xq, w, self.scratch).float() for w in layer.packed]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             return y if layer.bias is None else y + layer.bias
@@ -371,11 +360,6 @@ class TritonMethod(QuantMethod):
                     for w, c in zip(layer.packed, choices, strict=True)]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if layer.bias is None else y + layer.bias
-
-
-def _bucket(layer: QuantLinear, m: int) -> int:
-    """The quantized GEMM's row bucket of m rows: the first at or above m (TritonMethod._gemm_buckets)."""
-    return next(b for b in layer.gemm[0] if b >= m)
 
 
 class QuantLinear(nn.Module):

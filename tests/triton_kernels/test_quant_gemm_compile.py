@@ -22,8 +22,8 @@ from vegaserve.triton_kernels.dequant import GGMLType as T
 backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, warp)
 act = "*bf16" if backend == "cuda" else "*fp16"
-ptrs = {"x_ptr": act, "y_ptr": "*fp32", "base": "*u8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "order_ptr": "*i64",
-        "counts_ptr": "*i64", "starts_ptr": "*i64", "pstarts_ptr": "*i64"}
+ptrs = {"x_ptr": act, "y_ptr": "*fp32", "base": "*u8", "order_ptr": "*i64", "counts_ptr": "*i64",
+        "starts_ptr": "*i64", "pstarts_ptr": "*i64"}
 for name in ("Q4_K", "MXFP4"):  # a 256-element super-block type and a 32-element one (64-element tiles)
     tid = int(getattr(T, name))
     for m, grouped, n in ((16, 0, 4096), (16, 1, 4096)) + (((64, 0, 28672),) if name == "Q4_K" else ()):
@@ -32,7 +32,7 @@ for name in ("Q4_K", "MXFP4"):  # a 256-element super-block type and a 32-elemen
         nb = matmul.tile_split(tid, 4096, p["nb"], 1)[0]
         consts = dict(WTYPE=tid, QK=gemm._qk(tid), BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], NB=nb,
                       GROUPED=grouped, XDIV=1, E_P2=128 if grouped else 1, DOT_F32=0, SUB=p.get("sub", 0),
-                      INT8=0, tab_ptr=None)
+                      tab_ptr=None)
         fn = gemm._gemm_kernel
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
         triton.compile(ASTSource(fn, sig, consts), target=target,

@@ -155,17 +155,6 @@ def test_gemm_entries_are_looked_up_by_shape_then_rows_and_unknown_parameters_ar
     bad = load_tuning("cuda_sm90", _file(tmp_path, {"gemm": {"Q8_0": {"any": {"16": {"block_k": 64}}}}}))
     with pytest.raises(ValueError, match="sets block_k"):
         gemm_params(w, 16, bad, 132)
-    int8 = load_tuning("cuda_sm90", _file(tmp_path, {"gemm": {"Q8_0": {"any": {"16": {"int8": 1}}},
-                                                            "Q5_0": {"any": {"16": {"int8": 1}}}}}))
-    assert gemm_params(w, 16, int8, 132)["int8"] == 1
-    q5_0 = repack(torch.zeros(4096 * 128 * 22, dtype=torch.uint8, device="meta"), 6, 4096, 4096)
-    with pytest.raises(ValueError, match="sets int8; the GEMM's int8 mode has no codes for Q5_0"):
-        gemm_params(q5_0, 16, int8, 132)
-    # where the rule takes Q4_K a sub-block at a time (the float mode's), an int8 entry drops that
-    q4_k = repack(torch.zeros(28672 * 16 * 144, dtype=torch.uint8, device="meta"), 12, 28672, 4096)
-    wide = load_tuning("cuda_sm90", _file(tmp_path, {"gemm": {"Q4_K": {"any": {"64": {"int8": 1}}}}}))
-    rule = gemm_rule(12, 28672, 4096, 64, 132)
-    assert rule.pop("sub") == 1 and gemm_params(q4_k, 64, wide, 132) == {**rule, "int8": 1}
 
 
 def test_gemm_rule_takes_q4_k_a_sub_block_at_a_time_only_on_a_wide_grid_at_33_to_64_rows():
