@@ -31,11 +31,15 @@ def scattered_tables(lengths: list[int]) -> list[BlockTable]:
     return tables
 
 
-def batch_of(plan: list[tuple[int, int]], block_size: int | None) -> ForwardBatch:
+def batch_of(plan: list[tuple[int, int]], block_size: int | None, device: str = "cpu") -> ForwardBatch:
     """(cached, new) per sequence -> a ForwardBatch over scattered blocks."""
     tables = scattered_tables([c + n for c, n in plan])
     seqs = [(t.slot_mapping(0, c + n), c, list(range(n))) for t, (c, n) in zip(tables, plan, strict=True)]
-    return ForwardBatch.build(seqs, [False] * len(plan), torch.device("cpu"), block_size=block_size)
+    return ForwardBatch.build(seqs, [False] * len(plan), torch.device(device), block_size=block_size)
+
+
+# the kernels' device: the GPU where there is one, else the CPU under the interpreter (tests/conftest.py)
+KERNELS = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 PLAN = [(0, 9), (6, 1), (13, 5), (0, 1), (3, 1)]  # prompt, decode, chunk after 13, first token, decode
@@ -72,22 +76,24 @@ def fill_cache(cache: KVCache, fb: ForwardBatch, gen: torch.Generator) -> None:
 def test_paged_attention_equals_torch_attention(plan, block_size):
     fb = batch_of(plan, block_size)
     gen = torch.Generator().manual_seed(0)
-    kernel_cache = KVCache(2, 160, KV, HEAD_DIM, torch.float32, torch.device("cpu"))
-    fill_cache(kernel_cache, fb, gen)
     torch_cache = KVCache(2, 160, KV, HEAD_DIM, torch.float32, torch.device("cpu"))
-    torch_cache.k.copy_(kernel_cache.k)
-    torch_cache.v.copy_(kernel_cache.v)
+    fill_cache(torch_cache, fb, gen)
+    kernel_cache = KVCache(2, 160, KV, HEAD_DIM, torch.float32, torch.device(KERNELS))
+    kernel_cache.k.copy_(torch_cache.k)
+    kernel_cache.v.copy_(torch_cache.v)
     T = fb.input_ids.numel()
     q = torch.randn(T, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(T, KV, HEAD_DIM, generator=gen)
     v = torch.randn(T, KV, HEAD_DIM, generator=gen)
-    got, none = paged_attention(q, k, v, 1, kernel_cache, fb, SCALE)
+    got, none = paged_attention(q.to(KERNELS), k.to(KERNELS), v.to(KERNELS), 1, kernel_cache,
+                                batch_of(plan, block_size, KERNELS), SCALE)
     assert none is None  # no q8_1 copy unless asked
     want = torch_attention(q, k, v, 1, torch_cache, fb, SCALE)
+    got = got.cpu()
     assert torch.isfinite(got).all()
     assert float((got - want).norm() / want.norm()) < 1e-5
-    assert torch.equal(kernel_cache.k.nan_to_num(7.0), torch_cache.k.nan_to_num(7.0))
-    assert torch.equal(kernel_cache.v.nan_to_num(7.0), torch_cache.v.nan_to_num(7.0))
+    assert torch.equal(kernel_cache.k.cpu().nan_to_num(7.0), torch_cache.k.nan_to_num(7.0))
+    assert torch.equal(kernel_cache.v.cpu().nan_to_num(7.0), torch_cache.v.nan_to_num(7.0))
 
 
 def test_cached_attention_on_a_cpu_is_the_torch_path():
