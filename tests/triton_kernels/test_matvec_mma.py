@@ -43,7 +43,7 @@ def test_lanes_kernels_match_the_reference(name, block_n, num_warps, nb, split_k
                          ids=["two-row-groups", "one-row-group-split"])
 def test_lanes_kernels_match_the_reference_above_8_rows(name, rows, block_n, num_warps, split_k, carry,
                                                          q8_1_reference_check):
-    """Above 8 rows of x the rows come in column groups of 8 (group c: x's rows 8c .. 8c + 7 as the
+    """Above 8 rows of x the rows come in column groups of 8 (group c: x's rows 8c to 8c + 7 as the
     instruction's columns), each multiplied by the same A words with its own x row (8c + g), q8_1 scales
     (columns 8c + 2t, 8c + 2t + 1) and accumulators, and stored to its own rows of y: the reference's
     product at 9 (a last group of one live column), 16, 24, 33 and 64 rows (all 8 groups), 1 and 2 groups of
