@@ -26,5 +26,10 @@ case $kind in
   *) echo "build_llamacpp.sh: the kind is cuda or cpu, not '$kind'" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086  # the targets are words
-ninja -C "$build" $targets
+if ! ninja -C "$build" $targets 2>&1 | tee "$build/ninja.log"; then
+  # the compiler's message sits under ninja's first FAILED line, long before the end of the output
+  echo "build_llamacpp.sh: the build failed; its first failure ($build/ninja.log):" >&2
+  grep -m1 -A30 '^FAILED:' "$build/ninja.log" >&2
+  exit 1
+fi
 ls -l "$build/bin"
