@@ -8,7 +8,10 @@
 # Static binaries, in BUILD_DIR/bin. cuda: sm_90 only (CUDA_ARCH overrides), without CUDA's virtual memory
 # pool (GGML_CUDA_NO_VMM): the options docs/PERFORMANCE.md's CUDA figures were built with by hand (this
 # script's CUDA build has not run yet). cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an
-# illegal instruction on Q2_K on one Sapphire Rapids host).
+# illegal instruction on Q2_K on one Sapphire Rapids host). llama-server without its web UI's prebuilt assets,
+# which it would fetch from the network (the lent GPU machines reach none). The tarball may be the sdist's or
+# one trimmed to carry (models, docs, tests, examples, gguf-py left out): scripts/ must stay, llama-server's
+# build reads scripts/ui-assets.cmake.
 set -euo pipefail
 src=$1 build=$2 kind=$3 given=$1
 shift 3
@@ -23,7 +26,7 @@ if [ ! -f "$src/CMakeLists.txt" ]; then
   exit 2
 fi
 common=(-G Ninja -B "$build" -S "$src" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF)
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF -DLLAMA_USE_PREBUILT_UI=OFF)
 case $kind in
   cuda) cmake "${common[@]}" -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" ;;
   cpu) cmake "${common[@]}" -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON ;;
