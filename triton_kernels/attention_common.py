@@ -31,7 +31,8 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # options.
 # NVIDIA (warp 32, tensor cores), sm_90: the rule timed on an H200 (docs/PERFORMANCE.md): decode 64-key
 #   tiles on 4 warps, prefill 128x64 on 8 warps. ptxas (Triton 3.9) gives the decode 48 bytes of stack
-#   on 4 warps and none on 8 (193 registers): 8 warps is the first thing to time.
+#   on 4 warps and none on 8 (193 registers): 8 warps is the first thing to time. split_keys 2048 with
+#   min_programs 2 per SM: timed on an H100 against the 512-key partitions it replaced (PERFORMANCE.md).
 # The gfx906 rule is not timed: from the compiler's register report for an f16 cache, head_dim 128, group
 #   4 (Triton 3.9, compiled without a GPU), the tiles that fit without spilling.
 # gfx906 (wave64, so 8 warps are 512 lanes; no matrix cores: tl.dot lowers to FMA / fp16 dot2, and its
