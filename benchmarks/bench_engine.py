@@ -7,8 +7,11 @@ a seed a stream where given), all added at once.
 Decode rate = tokens after each stream's first / time from the step where every stream has its first
 token to the end. Also pp (one --pp-token prompt, time to its first token) and, per mode, the decode step
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
-First, where graphs are captured, 32 greedy tokens of 3 streams three ways: replayed, the graphs' static
-batch (padded to its bucket) run eagerly, and plain eager; each pair says whether and where it parts.
+First, where graphs are captured, 32 greedy tokens of 3 streams four ways, in this order: plain eager,
+replayed, the graphs' static batch (padded to its bucket) run eagerly, and plain eager again; each pair says
+whether and where it parts (the two eager runs: whether a run depends on what ran before it).
+--fill-uninitialized: every fresh allocation filled with NaN (torch's deterministic mode, warnings only),
+so a kernel that reads memory nothing wrote shows it in the outputs (slower; for the check, not for timing).
 
     python benchmarks/bench_engine.py -m FILE [--streams 1,64] [--prompt 32] [--gen 128] [--pp 2048] [--runs 3] \
         [--spec-type draft-mtp] [--temperature 1.0]
@@ -147,10 +150,16 @@ def main() -> None:
                     "kept, so the decode rate against --spec-type none is the speculation's overhead)")
     ap.add_argument("--pp-table", default=None,
                     help="profile one more --pp prompt and write its kernels by device time to this file")
+    ap.add_argument("--fill-uninitialized", action="store_true",
+                    help="fill every fresh allocation with NaN (torch's deterministic mode), to expose reads of "
+                    "memory nothing wrote; for the greedy checks, not for the timings")
     ap.add_argument("--host-table", default=None,
                     help="write the profiled graph-mode step's top host ops (self CPU time) and kernels "
                          "(device time) to this file")
     args = ap.parse_args()
+    if args.fill_uninitialized:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     streams = [int(s) for s in args.streams.split(",")]
     ctx = max(args.pp, args.prompt) + args.gen + 16
     tree = {"model": {"path": args.model}, "cache": {"context_size": ctx, "kv_dtype": args.kv_dtype},
@@ -166,6 +175,9 @@ def main() -> None:
     result: dict[str, object] = {"model": args.model, "kv_dtype": str(worker.cache.k.dtype), "spec_type": args.spec_type}
     print("| test | mode | median tok/s | runs |\n|---|---|---|---|")
     if graphs is not None:  # the two modes must agree before their speeds mean anything
+        worker.graphs = None
+        first = greedy_tokens(core, 3, 32, seed=1)
+        worker.graphs = graphs
         replayed = greedy_tokens(core, 3, 32, seed=1)
         # the graphs' static batch (padded to its bucket) run eagerly, without replay: where graphs and eager
         # part, this says whether the padded batch or the replay itself does it
@@ -175,7 +187,8 @@ def main() -> None:
         worker.graphs = None
         eager = greedy_tokens(core, 3, 32, seed=1)
         for name, a_run, b_run in (("graphs vs eager", replayed, eager), ("graphs vs static batch", replayed, static),
-                                   ("static batch vs eager", static, eager)):
+                                   ("static batch vs eager", static, eager),
+                                   ("eager before the graphs vs eager after", first, eager)):
             parted = [first_difference(a, b) for a, b in zip(a_run, b_run, strict=True)]
             same = parted.count(None)
             if name == "graphs vs eager":
