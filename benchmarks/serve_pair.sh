@@ -4,8 +4,10 @@
 #
 #     benchmarks/serve_pair.sh FILE LLAMA_SERVER [CLIENTS] [REQUESTS] [OUT_DIR]
 #
-# Defaults: 64 clients, 256 timed requests, 128-token prompts and outputs; llama-server with -ngl 99 -fa on
-# -np CLIENTS -c 320 x CLIENTS (320 tokens a slot, more than a request needs). Each server's JSON report goes
+# The warm-up wave draws its prompts from another seed than the timed requests, so that neither server serves
+# a timed prompt from its prompt cache. Defaults: 64 clients, 256 timed requests, 128-token prompts and
+# outputs; llama-server with -ngl 99 -fa on -np CLIENTS -c 320 x CLIENTS (320 tokens a slot, more than a
+# request needs). Each server's JSON report goes
 # to OUT_DIR/served_{vegaserve,llama}.json (default: the current folder); its log to OUT_DIR/*.log.
 set -uo pipefail
 file=$1 llama=$2 clients=${3:-64} requests=${4:-256} out=${5:-.}
@@ -24,7 +26,8 @@ run() {  # name, port, command...
   local pid=$!
   if up "$port" 600; then
     echo "$name: ready after $((SECONDS - t0)) s"
-    "${client[@]}" --base-url "http://localhost:$port" --num-requests "$clients" >"$out/${name}_warm.txt" 2>&1
+    # the warm-up wave's prompts are its own (another seed): the timed requests hit no server's prompt cache
+    "${client[@]}" --base-url "http://localhost:$port" --num-requests "$clients" --seed 1 >"$out/${name}_warm.txt" 2>&1
     echo "$name, warm-up wave: $(tail -1 "$out/${name}_warm.txt")"
     "${client[@]}" --base-url "http://localhost:$port" --num-requests "$requests" --json-out "$out/served_$name.json"
   else
