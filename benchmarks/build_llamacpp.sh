@@ -6,8 +6,9 @@
 #     benchmarks/build_llamacpp.sh SOURCE BUILD_DIR cuda|cpu [TARGET ...]
 #
 # Static binaries, in BUILD_DIR/bin. cuda: sm_90 only (CUDA_ARCH overrides), without CUDA's virtual memory
-# pool (GGML_CUDA_NO_VMM): the options docs/PERFORMANCE.md's CUDA figures were built with by hand (this
-# script's CUDA build has not run yet). cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an
+# pool (GGML_CUDA_NO_VMM): the options docs/PERFORMANCE.md's earlier CUDA figures were built with by hand (on
+# an H100 machine this script built llama-bench and llama-server from the trimmed tarball in about 10 minutes,
+# under nice beside other work). cpu: AVX2 without native tuning (a GGML_NATIVE build stopped with an
 # illegal instruction on Q2_K on one Sapphire Rapids host). llama-server without its web UI's prebuilt assets,
 # which it would fetch from the network (the lent GPU machines reach none). The tarball may be the sdist's or
 # one trimmed to carry (models, docs, tests, examples, gguf-py left out): scripts/ must stay, llama-server's
