@@ -2,7 +2,7 @@
 against the one-row mat-vec and the quantized GEMM, on a GPU with matrix units (sm_80+).
 
     python benchmarks/bench_lanes_wide.py [--types Q4_K,Q8_0] [--shapes 28672x4096,4096x14336,6144x4096]
-        [--ms 1,8,16,32,64] [--all-splits] [--jobs 16]
+        [--ms 1,8,16,32,64] [--all-splits] [--jobs 16] [--compile-only]
 
 Per type, shape and M:
   matvec(1)  the tuning file's choice at one row (matvec.choose), timed as tune.py times it (tune._fastest:
@@ -85,8 +85,12 @@ def _compile_one(job: tuple[str, int, int, int, dict]) -> tuple[tuple, float, st
 
 
 def precompile(jobs: list[tuple], workers: int) -> None:
-    """Compile every lanes launch in `workers` processes, the widest M first (the longest compiles)."""
-    jobs = sorted(jobs, key=lambda j: -j[3])
+    """Compile every distinct lanes launch in `workers` processes, the widest M first (the longest compiles).
+    N and K are run-time arguments: launches that differ only in the shape are one kernel, compiled once."""
+    distinct: dict = {}
+    for job in jobs:
+        distinct.setdefault((job[0], job[3], json.dumps(job[4], sort_keys=True)), job)
+    jobs = sorted(distinct.values(), key=lambda j: -j[3])
     t0 = time.time()
     slowest = []
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -106,6 +110,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16,32,64")
     ap.add_argument("--all-splits", action="store_true", help="both splits of each lanes tile shape")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="fill Triton's cache and stop (a later run, in another call, times from the cache)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lanes_wide needs a GPU")
@@ -125,6 +131,8 @@ def main() -> None:
     jobs = [(t, n, k, m, c) for t in types for n, k in shapes for m in ms
             for c in lanes_configs(TYPE_IDS[t], n, k, sms, args.all_splits)]
     precompile(jobs, max(1, min(args.jobs, len(jobs))))
+    if args.compile_only:
+        return
 
     def log(line: str) -> None:
         print("  " + line, flush=True)
