@@ -344,3 +344,53 @@ def test_a_stack_of_experts_launches_with_the_entry_for_its_assignments(tmp_path
             assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5, (tokens, expect)
     with pytest.raises(ModelLoadError, match="experts entry at 4 assignments names kernel 'nope'"):
         load({"matvec": matvec_table, "experts": {"Q8_0": {"any": {"4": {"kernel": "nope"}}}}})
+
+
+def test_a_layer_whose_entries_go_past_eight_rows_takes_the_lanes_mat_vec_up_to_their_largest(tmp_path, monkeypatch):
+    """Q4_K and Q8_0 stacked, both with lanes entries at 16 rows (Q8_0's at 1 and 16, Q4_K's at 16 only):
+    9..16 rows run the lanes mat-vec on x's one q8_1 copy (the 16-row entry's launch), 17 rows the quantized
+    GEMM, and each part equals its kernel's reference; a layer with one matrix stopping at 8 rows keeps the
+    GEMM from 9 (the layer's rows are its matrices' least)."""
+    from vegaserve.triton_kernels import gemm
+
+    calls = _count_launches(monkeypatch)
+    ran: list[str] = []
+    real_gemm = gemm.quant_gemm
+    monkeypatch.setattr(gemm, "quant_gemm", lambda x, w, **p: ran.append("gemm") or real_gemm(x, w, **p))
+    lanes = {"kernel": "lanes", "block_n": 16, "num_warps": 1}
+    table = {"matvec": {"Q8_0": {"any": {"1": {"kernel": "int8"}, "16": {**lanes, "nb": 4}}},
+                        "Q4_K": {"any": {"16": {**lanes, "nb": 8}}}}}
+    gen = torch.Generator().manual_seed(9)
+    k = 512
+    mats = [("Q4_K", 16), ("Q8_0", 32)]
+    layer = _layer(tmp_path, table, _sources(gen, k, mats), k, gemm_dtype=torch.float32)
+    assert [[c.kernel.name for c in by_m] for by_m in layer.tuned] == [["lanes"] * 16, ["int8"] + ["lanes"] * 15]
+    made = _count_quantizes(monkeypatch)
+    for m in (9, 16):
+        calls.clear(), made.clear()
+        x = torch.randn(m, k, generator=gen)
+        y = layer(x.to(DEVICE)).cpu().double()
+        assert calls == ["lanes", "lanes"] and not ran and made == ["layer"], m
+        for part, w, by_m in zip(y.split([16, 32], dim=-1), layer.packed, layer.tuned, strict=True):
+            assert by_m[m - 1].params["nb"] == (8 if w.type_name == "Q4_K" else 4)
+            ref = reference_matvec(x, _cpu(w), by_m[m - 1])
+            assert float((part - ref).norm() / ref.norm()) < 1e-5, (m, w.type_name)
+    assert layer.wants_q8_1(16) and not layer.wants_q8_1(17)
+    calls.clear()
+    layer(torch.randn(17, k, generator=gen).to(DEVICE))
+    assert not calls and ran == ["gemm", "gemm"]
+    ran.clear()
+    short = {"matvec": {"Q8_0": table["matvec"]["Q8_0"]}}  # Q4_K: no entry, the fallback's 8 rows
+    layer = _layer(tmp_path, short, _sources(gen, k, mats), k, "short.json", gemm_dtype=torch.float32)
+    assert [len(by_m) for by_m in layer.tuned] == [8, 16]
+    calls.clear()
+    layer(torch.randn(9, k, generator=gen).to(DEVICE))
+    assert not calls and ran == ["gemm", "gemm"]
+
+
+def test_an_entry_past_eight_rows_naming_a_kernel_of_eight_fails_the_load_naming_the_rows(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    table = {"matvec": {"Q8_0": {"any": {"16": {"kernel": "int8"}}}}}
+    with pytest.raises(ModelLoadError, match=r"t\.json.*Q8_0 32x256 entry at 9 rows names kernel 'int8', which "
+                                             r"takes at most 8 rows of x"):
+        _layer(tmp_path, table, _sources(gen, 256, [("Q8_0", 32)]), 256)
