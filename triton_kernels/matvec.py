@@ -42,7 +42,6 @@ class MatvecKernel:
     int8: bool  # multiplies x's q8_1 copy (the op before x may hand it over)
     launch: Callable[..., torch.Tensor]  # (x, w, params, q8_1, out, experts) -> y
     rule: Rule  # launch parameters an entry leaves out
-    max_rows: int = 8  # the most rows of x it takes
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,7 @@ KERNELS: dict[str, MatvecKernel] = {
     "int8": MatvecKernel("int8", matvec_int8.TYPES, False, True, matvec_int8.matvec_int8, matvec_launch.rule),
     "pieces": MatvecKernel("pieces", matvec_pieces.TYPES, False, True, matvec_pieces.matvec_pieces,
                            matvec_launch.rule),
-    "lanes": MatvecKernel("lanes", matvec_mma.TYPES, False, True, matvec_mma.matvec_lanes, _lanes_rule,
-                          matvec_mma.MAX_ROWS),
+    "lanes": MatvecKernel("lanes", matvec_mma.TYPES, False, True, matvec_mma.matvec_lanes, _lanes_rule),
 }
 
 
@@ -138,15 +136,13 @@ def _choice(w: PackedWeight, m: int, entry: dict, where: str) -> Choice:
         raise ValueError(f"{where} names kernel {name!r}, which does not serve {w.type_name} ({layout})")
     if kernel.name == "lanes" and w.data.device.type == "cuda" and not matvec_mma.has_matrix_units(w.data.device):
         raise ValueError(f"{where} names kernel 'lanes', which takes NVIDIA's int8 matrix units (sm_80 and later)")
-    if m > kernel.max_rows:
-        raise ValueError(f"{where} names kernel {name!r}, which takes at most {kernel.max_rows} rows of x")
     rule = kernel.rule(w.type_id, w.n, w.k, m, *device_shape(w.data.device))
     return Choice(kernel, {**rule, **{key: v for key, v in entry.items() if key != "kernel"}})
 
 
 def matvec(x: torch.Tensor, w: PackedWeight, choice: Choice | None = None, q8_1: Q8_1 | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= the kernel's max_rows (8; lanes 64), K] -> y [M, N] f32 with `choice` (default: the tuning file's); q8_1: x's q8_1 copy for an
+    """x [M <= 8, K] -> y [M, N] f32 with `choice` (default: the tuning file's); q8_1: x's q8_1 copy for an
     int8 kernel where the op before wrote it; out: where y goes (f32 [M, N]; at one row any column slice
     of a wider output)."""
     choice = choice or choose(w, x.shape[0])

@@ -161,11 +161,10 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
 
 
 def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], experts: Experts | None = None,
-         ragged: bool = False, max_rows: int = 8) -> Launch:
+         ragged: bool = False) -> Launch:
     """The checks and the K split of a word-tile kernel's launch of x [M, K] on w with complete params; with
     `experts`, of one program column per assignment (x's rows then any number: each program takes one);
-    `ragged`: a kernel that masks a partial last tile (tile_split); max_rows: the most rows of x the kernel
-    takes (the lanes kernel 64, the others 8)."""
+    `ragged`: a kernel that masks a partial last tile (tile_split)."""
     M, K = x.shape
     if experts is not None:
         if w.experts < 2 and w.expert_bytes == 0:
@@ -176,8 +175,8 @@ def plan(kernel: str, x: torch.Tensor, w: PackedWeight, params: dict[str, int], 
         if M * experts.x_div != experts.count or K != w.k:
             raise ValueError(f"{kernel} expert mat-vec: {experts.count} assignments of x [{M}, {K}] rows taken "
                              f"{experts.x_div} at a time by {w.n}x{w.k} experts")
-    elif K != w.k or not 1 <= M <= max_rows:
-        raise ValueError(f"{kernel} mat-vec takes 1..{max_rows} rows of K={w.k}; got x {tuple(x.shape)}")
+    elif K != w.k or not 1 <= M <= 8:
+        raise ValueError(f"{kernel} mat-vec takes 1..8 rows of K={w.k}; got x {tuple(x.shape)}")
     if not w.repacked:
         raise ValueError(f"the {kernel} mat-vec reads 16-byte words: the repacked layout (layout.repack) only")
     if params["block_n"] < 8 or params["block_n"] & (params["block_n"] - 1):

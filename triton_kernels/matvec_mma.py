@@ -1,4 +1,4 @@
-"""The `lanes` decode mat-vec: 1..64 activation rows on NVIDIA's matrix units, with each lane building its own
+"""The `lanes` decode mat-vec: 1..8 activation rows on NVIDIA's matrix units, with each lane building its own
 operands: y[M, N] = x[M, K] @ W[N, K]^T, x quantized to q8_1 (as matvec_int8), W Q4_K, Q6_K or a 32-element
 type with one scale a block, Q8_0, Q4_0, IQ4_NL or MXFP4 (lanes_kernel, one loop for all of them, with a
 type's loads and products beside it).
@@ -13,12 +13,6 @@ i // 32), so the code says what each lane loads and which register it passes: no
 shared memory, and one matrix instruction per 32-element block (Q4_K: sub-block; Q6_K, whose scales are
 per 16 elements: an m16n8k16 per sub-block) of 16 rows.
 
-Column groups. Above 8 rows, x's rows come in MG = ceil(M / 8) groups of 8 (at most 8): group c is rows
-8c .. 8c + 7, the instruction's 8 columns of B. A tile's A words are loaded and unpacked once, as at 8 rows,
-and multiplied by each group's B words (the lane's x row 8c + g), each group with its own accumulators and
-q8_1 scales and sums (columns 8c + 2t, 8c + 2t + 1): MG instructions a block where one group has one, and
-each weight byte read once for up to 64 rows. At 1..8 rows (MG 1) the kernel is the one without groups.
-
 Q4_K: each lane holds 8 bytes of each 32-byte chunk of a row, k 4t+i standing for the first 4 of them and k
 16+4t+i for the next 4 (mma_lanes.py: any numbering A and B agree on); its 8 bytes of B are x's elements at
 the same place of the sub-block, one 8-byte load. Which 8 bytes: a warp instruction over 8 rows costs a
@@ -28,17 +22,16 @@ bytes instead of 8 for 256 (measured 4-7% faster at M=8 than 8-byte loads). A ch
 sub-block 2c and its high nibbles sub-block 2c + 1, so the same words give that row's A words of both
 sub-blocks, one mask (and one shift) each.
 
-Per lane and Q4_K super-block, for each 16-row group (row group) it holds: 4 loads of 16 bytes (rows g, g + 8;
-the quants' two halves), its rows' 16-byte head records (d, dmin, the 12 scale bytes) in one load each, 8 mma
-and the f32 scaling of 4 results a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]) for
-each column group; the x words and the q8_1 scales (columns g and 2t, 2t + 1 of each column group, 8 bytes a
-load) once for all its row groups (BLOCK_N = 16 W R: R row groups a warp). The 32-element types: Q8_0 8 bytes
-at 8t of the block's 32 (elements 8t.. at k 4t.., 8t+4.. at k 16+4t..; its 16-byte loads with the exchange
-measured slower); the nibble types' block is 16 bytes, byte l holding elements l (low nibble) and l + 16
-(high), so lane t's 4 bytes at 4t give k 4t.. (low nibbles) and k 16+4t.. (high) in the instruction's own
-numbering, and its B words are x's elements 4t.. and 16+4t.. (two 4-byte loads); Q4_0 as unsigned codes with
-its 8 taken off through the q8_1 sums, IQ4_NL and MXFP4 through int8_ops.lookup16. Their scales: a tile's NB
-records of a row in 8-byte loads.
+Per lane and Q4_K super-block, for each 16-row group it holds: 4 loads of 16 bytes (rows g, g + 8; the
+quants' two halves), its rows' 16-byte head records (d, dmin, the 12 scale bytes) in one load each, 8 mma
+and the f32 scaling of 4 results a sub-block (d sc[s] dx[s] times the integer sum, less dmin m[s] sx[s]);
+the x words and the q8_1 scales (columns g and 2t, 2t + 1, 8 bytes a load) once for all its groups (BLOCK_N
+= 16 W R: R groups a warp). The 32-element types: Q8_0 8 bytes at 8t of the block's 32 (elements 8t.. at k
+4t.., 8t+4.. at k 16+4t..; its 16-byte loads with the exchange measured slower); the nibble types' block is
+16 bytes, byte l holding elements l (low nibble) and l + 16 (high), so lane t's 4 bytes at 4t give k 4t..
+(low nibbles) and k 16+4t.. (high) in the instruction's own numbering, and its B words are x's elements 4t..
+and 16+4t.. (two 4-byte loads); Q4_0 as unsigned codes with its 8 taken off through the q8_1 sums, IQ4_NL
+and MXFP4 through int8_ops.lookup16. Their scales: a tile's NB records of a row in 8-byte loads.
 
 The fragments and the lanes' bookkeeping: mma_lanes.py. sm_80 and later; no AMD part (gfx906 has no
 matrix units). Torch reference: matvec_int8.reference_matvec_q8_1.
@@ -93,62 +86,52 @@ def _q4_k_scales(head, s: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_products(tile, acc, columns, xo, lo, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
-    """A super-block's products for the lane's R row groups and each column group: acc[j][c] = (top 2t, top
-    2t + 1, bottom 2t, bottom 2t + 1) f32 of row group j in column group c. columns: each column group's x
-    at the super-block's first element (_x_columns); xo: the lane's offsets in a sub-block of even and odd
-    chunks (mma_lanes.pair_offsets). Its two halves one after the other (_q4_k_half_products)."""
+def _q4_k_products(tile, acc, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr,
+                   DOT: tl.constexpr):
+    """A super-block's products for the lane's R groups: acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom
+    2t + 1) f32. xp: x of column g at the super-block's first element (xlive: g < M), xo: the lane's
+    offsets in a sub-block of even and odd chunks (mma_lanes.pair_offsets); dxp, sxp: the q8_1 scales and sums of
+    columns 2t and 2t + 1 at its first sub-block (clive: each < M). Its two halves one after the other
+    (_q4_k_half_products)."""
     for e in tl.static_range(2):
         quants = ()
         heads = ()
         for j in tl.static_range(2 * R):
             quants = quants + (tile[j][e],)
             heads = heads + (tile[j][2],)
-        acc = _q4_k_half_products(quants, heads, acc, e, columns, xo, lo, R, W, DOT)
+        acc = _q4_k_half_products(quants, heads, acc, e, xp, xo, lo, xlive, dxp, sxp, clive, R, W, DOT)
     return acc
 
 
 @triton.jit
-def _q4_k_half_products(quants, heads, acc, e: tl.constexpr, columns, xo, lo, R: tl.constexpr, W: tl.constexpr,
-                        DOT: tl.constexpr):
+def _q4_k_half_products(quants, heads, acc, e: tl.constexpr, xp, xo, lo, xlive, dxp, sxp, clive, R: tl.constexpr,
+                        W: tl.constexpr, DOT: tl.constexpr):
     """Half e of a super-block (quant bytes 64e.., chunks 2e and 2e + 1: sub-blocks 4e .. 4e + 3) for the
-    lane's R row groups, from each of its 2R rows' 16-byte load of that half (`quants`) and head record
-    (`heads`); arguments as _q4_k_products'. A row group's A words and scales of a sub-block serve every
-    column group."""
-    scales = ()
-    for c in tl.static_range(len(columns)):  # dx and sx of the group's columns 2t, 2t + 1 for the 4 sub-blocks
-        xp, xlive, dxp, sxp, clive = columns[c]
-        scales = scales + ((f32_run(dxp[0] + 4 * e, clive[0], 4), f32_run(dxp[1] + 4 * e, clive[1], 4),
-                            f32_run(sxp[0] + 4 * e, clive[0], 4), f32_run(sxp[1] + 4 * e, clive[1], 4)),)
+    lane's R groups, from each of its 2R rows' 16-byte load of that half (`quants`) and head record
+    (`heads`); arguments as _q4_k_products'."""
+    dx0 = f32_run(dxp[0] + 4 * e, clive[0], 4)
+    dx1 = f32_run(dxp[1] + 4 * e, clive[1], 4)
+    sx0 = f32_run(sxp[0] + 4 * e, clive[0], 4)
+    sx1 = f32_run(sxp[1] + 4 * e, clive[1], 4)
     chunks = ()
     for j in tl.static_range(2 * R):
         chunks = chunks + (exchange_halves(quants[j], lo, W, DOT),)
     new = acc
     for i in tl.static_range(4):  # sub-block s = 4e + i: chunk 2e + i // 2, its low nibbles for even s
-        bs = ()
-        for c in tl.static_range(len(columns)):  # each column group's B words: its x row at the lane's 8 bytes
-            xp, xlive, dxp, sxp, clive = columns[c]
-            bs = bs + (halves(tl.load((xp + 32 * (4 * e + i) + xo[(i // 2) % 2]).to(tl.pointer_type(tl.int64)),
-                                      mask=xlive, other=0)),)
+        b0, b1 = halves(tl.load((xp + 32 * (4 * e + i) + xo[(i // 2) % 2]).to(tl.pointer_type(tl.int64)), mask=xlive,
+                                other=0))
         out = ()
         for j in tl.static_range(R):
             t_lo, t_hi = chunks[2 * j][i // 2]
             b_lo, b_hi = chunks[2 * j + 1][i // 2]
             if i % 2 == 1:  # sub-block 4e + i odd: the chunk's high nibbles
                 t_lo, t_hi, b_lo, b_hi = t_lo >> 4, t_hi >> 4, b_lo >> 4, b_hi >> 4
-            a0, a1, a2, a3 = t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F, b_hi & 0x0F0F0F0F
-            ds = ()
-            for c in tl.static_range(len(columns)):  # the row group's A words times each column group's B
-                ds = ds + (mma_16x8x32(a0, a1, a2, a3, bs[c][0], bs[c][1], W, DOT),)
+            d0, d1, d2, d3 = mma_16x8x32(t_lo & 0x0F0F0F0F, b_lo & 0x0F0F0F0F, t_hi & 0x0F0F0F0F,
+                                         b_hi & 0x0F0F0F0F, b0, b1, W, DOT)
             st, mt = _q4_k_scales(heads[2 * j], 4 * e + i)
             sb, mb = _q4_k_scales(heads[2 * j + 1], 4 * e + i)
-            row = ()
-            for c in tl.static_range(len(columns)):
-                dx0, dx1, sx0, sx1 = scales[c]
-                d0, d1, d2, d3 = ds[c]
-                s0, s1, s2, s3 = scaled(new[j][c], d0, d1, d2, d3, dx0[i], dx1[i], st, sb)
-                row = row + ((s0 - mt * sx0[i], s1 - mt * sx1[i], s2 - mb * sx0[i], s3 - mb * sx1[i]),)
-            out = out + (row,)
+            a0, a1, a2, a3 = scaled(new[j], d0, d1, d2, d3, dx0[i], dx1[i], st, sb)
+            out = out + ((a0 - mt * sx0[i], a1 - mt * sx1[i], a2 - mb * sx0[i], a3 - mb * sx1[i]),)
         new = out
     return new
 
@@ -194,60 +177,45 @@ def _legacy_codes(q, WORDS: tl.constexpr, TABLE: tl.constexpr, DOT: tl.constexpr
 
 
 @triton.jit
-def _legacy_products(tile, acc, columns, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr,
-                     TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr, FIRST: tl.constexpr = 0):
+def _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+                     WORDS: tl.constexpr, TABLE: tl.constexpr, E8M0: tl.constexpr, DOT: tl.constexpr,
+                     FIRST: tl.constexpr = 0):
     """The products of NB blocks, blocks FIRST .. of the tile (`tile`: their loads, _legacy_rows_tile's), for
-    the lane's R row groups and each column group (acc and columns as _q4_k_products', x at the tile's
-    first element); the B words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble
-    types: 4t.. and 16 + 4t..). A row group's A words and scales of a block serve every column group. Q4_0
-    takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
-    SUMS: tl.constexpr = TABLE == 0 and WORDS == 4  # Q4_0
-    dxs = ()
-    sxs = ()
-    for c in tl.static_range(len(columns)):  # dx (Q4_0: and sx) of the group's columns 2t, 2t + 1 for NB blocks
-        xp, xlive, dxp, sxp, clive = columns[c]
-        dxs = dxs + ((f32_run(dxp[0] + FIRST, clive[0], NB), f32_run(dxp[1] + FIRST, clive[1], NB)),)
-        if SUMS:
-            sxs = sxs + ((f32_run(sxp[0] + FIRST, clive[0], NB), f32_run(sxp[1] + FIRST, clive[1], NB)),)
+    the lane's R groups (acc as _q4_k_products'). xp: x at the tile's first element of column g; the B
+    words are x's elements of the lane's k (Q8_0: 8t.. in one load; the nibble types: 4t.. and 16 + 4t..).
+    Q4_0 takes its 8 off through the q8_1 sums: d (dx s - 8 sx)."""
+    dx0 = f32_run(dxp[0] + FIRST, clive[0], NB)
+    dx1 = f32_run(dxp[1] + FIRST, clive[1], NB)
+    if TABLE == 0 and WORDS == 4:
+        sx0 = f32_run(sxp[0] + FIRST, clive[0], NB)
+        sx1 = f32_run(sxp[1] + FIRST, clive[1], NB)
     new = acc
     for b in tl.static_range(NB):
-        bs = ()
-        for c in tl.static_range(len(columns)):  # each column group's B words: its x row at the lane's k
-            xp, xlive, dxp, sxp, clive = columns[c]
-            if WORDS == 8:
-                x0, x1 = halves(tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
-            else:
-                x0 = tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
-                x1 = tl.load((xp + 32 * (FIRST + b) + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
-                if TABLE != 0:
-                    x0, x1 = pairs_order(x0, x1, DOT)
-            bs = bs + ((x0, x1),)
+        if WORDS == 8:
+            x0, x1 = halves(tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int64)), mask=xlive, other=0))
+        else:
+            x0 = tl.load((xp + 32 * (FIRST + b)).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            x1 = tl.load((xp + 32 * (FIRST + b) + 16).to(tl.pointer_type(tl.int32)), mask=xlive, other=0)
+            if TABLE != 0:
+                x0, x1 = pairs_order(x0, x1, DOT)
         out = ()
         for j in tl.static_range(R):
             top_q, top_s = tile[2 * j]
             bottom_q, bottom_s = tile[2 * j + 1]
             t_lo, t_hi = _legacy_codes(top_q[b], WORDS, TABLE, DOT)
             b_lo, b_hi = _legacy_codes(bottom_q[b], WORDS, TABLE, DOT)
-            ds = ()
-            for c in tl.static_range(len(columns)):  # the row group's A words times each column group's B
-                ds = ds + (mma_16x8x32(t_lo, b_lo, t_hi, b_hi, bs[c][0], bs[c][1], W, DOT),)
+            d0, d1, d2, d3 = mma_16x8x32(t_lo, b_lo, t_hi, b_hi, x0, x1, W, DOT)
             st = _legacy_scale(top_s, b, E8M0)
             sb = _legacy_scale(bottom_s, b, E8M0)
-            row = ()
-            for c in tl.static_range(len(columns)):
-                dx0, dx1 = dxs[c]
-                d0, d1, d2, d3 = ds[c]
-                if SUMS:
-                    sx0, sx1 = sxs[c]
-                    a0, a1, a2, a3 = new[j][c]
-                    u0 = d0.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
-                    u1 = d1.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
-                    u2 = d2.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
-                    u3 = d3.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
-                    row = row + ((a0 + st * u0, a1 + st * u1, a2 + sb * u2, a3 + sb * u3),)
-                else:
-                    row = row + (scaled(new[j][c], d0, d1, d2, d3, dx0[b], dx1[b], st, sb),)
-            out = out + (row,)
+            if TABLE == 0 and WORDS == 4:
+                a0, a1, a2, a3 = new[j]
+                u0 = d0.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
+                u1 = d1.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
+                u2 = d2.to(tl.float32) * dx0[b] - 8.0 * sx0[b]
+                u3 = d3.to(tl.float32) * dx1[b] - 8.0 * sx1[b]
+                out = out + ((a0 + st * u0, a1 + st * u1, a2 + sb * u2, a3 + sb * u3),)
+            else:
+                out = out + (scaled(new[j], d0, d1, d2, d3, dx0[b], dx1[b], st, sb),)
         new = out
     return new
 
@@ -283,56 +251,38 @@ def _q6_k_scale(words, i: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_products(tile, acc, columns, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr, FIRST: tl.constexpr = 0,
-                   COUNT: tl.constexpr = 2):
+def _q6_k_products(tile, acc, xp, xlive, dxp, clive, R: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+                   FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 2):
     """The products of halves FIRST .. FIRST + COUNT - 1 of a Q6_K super-block (`tile`: their loads,
-    _q6_k_rows_tile's) for the lane's R row groups and each column group (acc and columns as
-    _q4_k_products'): one m16n8k16 per 16-element sub-block; the two sub-blocks of a q8_1 block (u = 0, 1)
-    combined in int32 with their scales, then scaled by d dx once. A row group's codes and scales of a
-    sub-block serve every column group."""
-    dxs = ()
-    for c in tl.static_range(len(columns)):  # dx of the group's columns 2t, 2t + 1 for the halves' q8_1 blocks
-        xp, xlive, dxp, sxp, clive = columns[c]
-        dxs = dxs + ((f32_run(dxp[0] + 4 * FIRST, clive[0], 4 * COUNT),
-                      f32_run(dxp[1] + 4 * FIRST, clive[1], 4 * COUNT)),)
+    _q6_k_rows_tile's) for the lane's R groups (acc as _q4_k_products'): one m16n8k16 per 16-element
+    sub-block; the two sub-blocks of a q8_1 block (u = 0, 1) combined in int32 with their scales, then
+    scaled by d dx once."""
+    dx0 = f32_run(dxp[0] + 4 * FIRST, clive[0], 4 * COUNT)
+    dx1 = f32_run(dxp[1] + 4 * FIRST, clive[1], 4 * COUNT)
     new = acc
     for hj in tl.static_range(4 * COUNT):  # q8_1 block 4 (FIRST + h) + j of the super-block
-        bs = ()
-        for c in tl.static_range(len(columns)):  # each column group's B words of the block's two sub-blocks
-            xp, xlive, dxp, sxp, clive = columns[c]
-            words = ()
-            for u in tl.static_range(2):
-                words = words + (tl.load((xp + 32 * (4 * FIRST + hj) + 16 * u).to(tl.pointer_type(tl.int32)),
-                                         mask=xlive, other=0),)
-            bs = bs + (words,)
+        xs = ()
+        for u in tl.static_range(2):
+            xs = xs + (tl.load((xp + 32 * (4 * FIRST + hj) + 16 * u).to(tl.pointer_type(tl.int32)), mask=xlive,
+                               other=0),)
         out = ()
         for r in tl.static_range(R):
             top_ql, top_qh, top_s, top_d = tile[2 * r]
             bot_ql, bot_qh, bot_s, bot_d = tile[2 * r + 1]
-            z = tl.zeros_like(bs[0][0])
-            sums = ()  # each column group's (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) over u, int32
-            for c in tl.static_range(len(columns)):
-                sums = sums + ((z, z, z, z),)
+            v0 = tl.zeros_like(xs[0])
+            v1 = v0
+            v2 = v0
+            v3 = v0
             for u in tl.static_range(2):
-                top = _q6_k_codes(top_ql, top_qh, hj // 4, hj % 4, u)
-                bottom = _q6_k_codes(bot_ql, bot_qh, hj // 4, hj % 4, u)
-                ds = ()
-                for c in tl.static_range(len(columns)):  # the row group's A words times each column group's B
-                    ds = ds + (mma_16x8x16(top, bottom, bs[c][u], W, DOT),)
+                d0, d1, d2, d3 = mma_16x8x16(_q6_k_codes(top_ql, top_qh, hj // 4, hj % 4, u),
+                                             _q6_k_codes(bot_ql, bot_qh, hj // 4, hj % 4, u), xs[u], W, DOT)
                 st = _q6_k_scale(top_s, 8 * (hj // 4) + 2 * (hj % 4) + u)
                 sb = _q6_k_scale(bot_s, 8 * (hj // 4) + 2 * (hj % 4) + u)
-                more = ()
-                for c in tl.static_range(len(columns)):
-                    d0, d1, d2, d3 = ds[c]
-                    v0, v1, v2, v3 = sums[c]
-                    more = more + ((v0 + d0 * st, v1 + d1 * st, v2 + d2 * sb, v3 + d3 * sb),)
-                sums = more
-            row = ()
-            for c in tl.static_range(len(columns)):
-                dx0, dx1 = dxs[c]
-                v0, v1, v2, v3 = sums[c]
-                row = row + (scaled(new[r][c], v0, v1, v2, v3, dx0[hj], dx1[hj], top_d, bot_d),)
-            out = out + (row,)
+                v0 += d0 * st
+                v1 += d1 * st
+                v2 += d2 * sb
+                v3 += d3 * sb
+            out = out + (scaled(new[r], v0, v1, v2, v3, dx0[hj], dx1[hj], top_d, bot_d),)
         new = out
     return new
 
@@ -383,34 +333,6 @@ def _tile(ptrs, R: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr, WORDS: tl
 
 
 @triton.jit
-def _x_columns(xq_ptr, dx_ptr, sx_ptr, g, cols, K, first, M: tl.constexpr, QK: tl.constexpr, at):
-    """The lane's x for each column group c (rows 8c .. 8c + 7 of x: the instruction's 8 columns of B) at
-    the split's first block, (xp, xlive, dxp, sxp, clive): xp its row 8c + g of x at offset `at` in a block
-    and xlive whether that row is one of x's M; dxp, sxp the q8_1 scales and sums of its columns 8c + 2t and
-    8c + 2t + 1 (8c + cols) and clive whether each is. A row past M is read as row M - 1, masked."""
-    columns = ()
-    for c in tl.static_range((M + 7) // 8):
-        xlive = 8 * c + g < M
-        xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(8 * c + g, M - 1) * K + first * QK + at
-        clive = (8 * c + cols[0] < M, 8 * c + cols[1] < M)
-        v0 = tl.minimum(8 * c + cols[0], M - 1) * (K // 32) + first * (QK // 32)
-        v1 = tl.minimum(8 * c + cols[1], M - 1) * (K // 32) + first * (QK // 32)
-        columns = columns + ((xp, xlive, (dx_ptr + v0, dx_ptr + v1), (sx_ptr + v0, sx_ptr + v1), clive),)
-    return columns
-
-
-@triton.jit
-def _x_columns_step(columns, PER: tl.constexpr):
-    """_x_columns' pointers moved on by a tile (PER elements of x, PER / 32 q8_1 blocks)."""
-    moved = ()
-    for c in tl.static_range(len(columns)):
-        xp, xlive, dxp, sxp, clive = columns[c]
-        moved = moved + ((xp + PER, xlive, (dxp[0] + PER // 32, dxp[1] + PER // 32),
-                          (sxp[0] + PER // 32, sxp[1] + PER // 32), clive),)
-    return moved
-
-
-@triton.jit
 def lanes_kernel(
     xq_ptr, dx_ptr, sx_ptr, base, part_ptr, out_ptr, count_ptr,
     o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3,  # fields (layout.py) of the type
@@ -419,15 +341,14 @@ def lanes_kernel(
     CARRY: tl.constexpr, PDL: tl.constexpr, W: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
     TABLE: tl.constexpr, E8M0: tl.constexpr,
 ):
-    """1..64 rows of x in MG column groups of 8, BLOCK_N = 16 W R rows a program (W its warps, R row groups
-    of 16 rows a warp). KIND 1: Q4_K (fields dm, scales as one head record, qs), one super-block an
-    iteration; 2: Q6_K (ql, qh, scales, d), one super-block an iteration; 0: the 32-element types (d or e,
-    qs: WORDS 8 Q8_0, 4 the nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB
-    blocks an iteration (even). DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's
-    weight loads are issued before this one's products."""
+    """1..8 rows of x, BLOCK_N = 16 W R rows a program (W its warps, R groups of 16 rows a warp). KIND 1:
+    Q4_K (fields dm, scales as one head record, qs), one super-block an iteration; 2: Q6_K (ql, qh,
+    scales, d), one super-block an iteration; 0: the 32-element types (d or e, qs: WORDS 8 Q8_0, 4 the
+    nibble types with TABLE 0 Q4_0, 1 IQ4_NL, 2 MXFP4 and its E8M0 scale), NB blocks an iteration (even).
+    DOT 1: the mma instructions, 0 their emulation. CARRY 1: the next tile's weight loads are issued
+    before this one's products."""
     pdl.let_next_start(PDL)
     R: tl.constexpr = BLOCK_N // (16 * W)
-    MG: tl.constexpr = (M + 7) // 8  # column groups (_x_columns)
     QK: tl.constexpr = 32 if KIND == 0 else 256
     PER: tl.constexpr = NB * 32 if KIND == 0 else 256  # elements a tile
     SIZE: tl.constexpr = 1 if E8M0 else 2
@@ -439,8 +360,14 @@ def lanes_kernel(
         ptrs = ptrs + (_planes(base, o0, r0, b0, o1, r1, b1, o2, r2, b2, o3, r3, b3, r64[j], first, t, KIND,
                                WORDS, SIZE),)
     steps = _plane_steps(b0, b1, b2, b3, KIND, NB, SIZE)
-    columns = _x_columns(xq_ptr, dx_ptr, sx_ptr, g, cols, K, first, M, QK, XLANE * t)
-    acc = zero_acc(R, MG, W)
+    xlive = g < M
+    xp = xq_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(g, M - 1) * K + first * QK + XLANE * t
+    clive = (cols[0] < M, cols[1] < M)
+    v0 = tl.minimum(cols[0], M - 1) * (K // 32) + first * (QK // 32)
+    v1 = tl.minimum(cols[1], M - 1) * (K // 32) + first * (QK // 32)
+    dxp = (dx_ptr + v0, dx_ptr + v1)
+    sxp = (sx_ptr + v0, sx_ptr + v1)
+    acc = zero_acc(R, W)
     if CARRY:
         tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)
     for it in range(0, n_iter):
@@ -459,12 +386,14 @@ def lanes_kernel(
             moved = moved + (row,)
         ptrs = moved
         if KIND == 1:
-            acc = _q4_k_products(tile, acc, columns, pair_offsets(t), t < 2, R, W, DOT)
+            acc = _q4_k_products(tile, acc, xp, pair_offsets(t), t < 2, xlive, dxp, sxp, clive, R, W, DOT)
         elif KIND == 2:
-            acc = _q6_k_products(tile, acc, columns, R, W, DOT)
+            acc = _q6_k_products(tile, acc, xp, xlive, dxp, clive, R, W, DOT)
         else:
-            acc = _legacy_products(tile, acc, columns, R, W, NB, WORDS, TABLE, E8M0, DOT)
-        columns = _x_columns_step(columns, PER)
+            acc = _legacy_products(tile, acc, xp, xlive, dxp, sxp, clive, R, W, NB, WORDS, TABLE, E8M0, DOT)
+        xp += PER
+        dxp = (dxp[0] + PER // 32, dxp[1] + PER // 32)
+        sxp = (sxp[0] + PER // 32, sxp[1] + PER // 32)
         if CARRY:
             tile = _tile(ptrs, R, KIND, NB, WORDS, E8M0, DOT)  # the next tile's loads
     pdl.wait_for_inputs(PDL)  # no store before the wait, also in a program with no tile
@@ -473,7 +402,6 @@ def lanes_kernel(
 
 # the int8 kernel's types but those whose scales it decodes from super-block records (IQ4_XS, Q3_K)
 TYPES = frozenset({T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K})
-MAX_ROWS = 64  # rows of x: 8 column groups of the instruction's 8 columns
 _KIND = {T.Q4_K: Q4_K_LANES, T.Q6_K: Q6_K_LANES}
 
 
@@ -509,27 +437,23 @@ def kernel_args(type_id: int, num_warps: int) -> dict[str, int]:
 
 def matvec_lanes(x: torch.Tensor, w: PackedWeight, params: dict[str, int], q8_1: Q8_1 | None = None,
                  out: torch.Tensor | None = None, experts=None) -> torch.Tensor:
-    """x [M <= 64, K] -> y [M, N] f32 as matvec_int8.matvec_int8; block_n a multiple of 16 x num_warps. The
+    """x [M <= 8, K] -> y [M, N] f32 as matvec_int8.matvec_int8; block_n a multiple of 16 x num_warps. The
     32-element types read a tile's q8_1 scales in pairs: a tile of one block (nb 1, or a row of an odd
-    number of blocks) runs the int8 kernel with the same launch, up to its 8 rows of x."""
+    number of blocks) runs the int8 kernel with the same launch."""
     if w.type_id not in TYPES:
         raise ValueError(f"the lanes mat-vec has no kernel for {w.type_name}")
     if experts is not None:
         raise ValueError("the lanes mat-vec multiplies several rows of x by one weight; an expert assignment is one")
     if torch.version.hip or (dot_kind(x.device) == PTX_DP4A and not has_matrix_units(x.device)):
         raise ValueError("the lanes mat-vec takes mma.sync m16n8k32 (int8): NVIDIA sm_80 and later")
-    launch = plan("lanes", x, w, params, max_rows=MAX_ROWS)
+    launch = plan("lanes", x, w, params)
     lanes_rows = 16 * params["num_warps"]
     if params["block_n"] % lanes_rows:
         raise ValueError(f"the lanes mat-vec takes block_n a multiple of 16 x num_warps ({lanes_rows}); got "
                          f"{params['block_n']}")
-    M, K = x.shape
     if w.type_id not in (T.Q4_K, T.Q6_K) and launch.per_tile == 1:
-        if M > 8:
-            raise ValueError(f"the lanes mat-vec takes tiles of two blocks or more above 8 rows of x (a tile of one "
-                             f"block runs the int8 kernel, 1..8 rows); got nb {params['nb']} for {w.type_name} of "
-                             f"K={K} at {M} rows")
         return matvec_int8(x, w, params, q8_1, out)
+    M, K = x.shape
     q, dx, sx = q8_1 if q8_1 is not None else quantize_q8_1(x)
     part, y, counts = launch.outputs(M, w.n, x.device, out)
     lanes_kernel[launch.grid(w.n)](

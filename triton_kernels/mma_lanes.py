@@ -180,7 +180,7 @@ def byte_words(ptr, NBYTES: tl.constexpr):
 def lane_program(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, W: tl.constexpr):
     """Where each lane works: its rows (group j: top + 16 j and + 8, as the tuple rows[2 j], rows[2 j + 1])
     and those clamped to N - 1 in int64 for the loads; its split's first block and the number of them; g
-    and t; its columns of y in each column group of 8 (2t, 2t + 1; g is its column of x)."""
+    and t; its columns of y (2t, 2t + 1; g is its column of x)."""
     R: tl.constexpr = BLOCK_N // (16 * W)
     warp, g, t = lanes(W)
     first = tl.program_id(1) * blocks_per_split
@@ -198,31 +198,25 @@ def lane_program(N, blocks_per_split, n_blocks, BLOCK_N: tl.constexpr, W: tl.con
 @triton.jit
 def store_lanes(part_ptr, out_ptr, count_ptr, acc, rows, cols, M: tl.constexpr, N, R: tl.constexpr,
                  SPLIT: tl.constexpr):
-    """acc[j][c] = (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) of row group j in column group c into y
-    (store_split): the instruction's column 2t of group c is row 8c + 2t of y."""
+    """acc[j] = (top 2t, top 2t + 1, bottom 2t, bottom 2t + 1) of each group j into y (store_split)."""
     values = ()
     index = ()
     live = ()
     for j in tl.static_range(R):
         for h in tl.static_range(2):
-            for c in tl.static_range(len(acc[j])):
-                for cc in tl.static_range(min(M, 2)):  # at M = 1 no lane's 2t + 1 is a row of y: its sums are dead code
-                    values = values + (acc[j][c][2 * h + cc],)
-                    index = index + ((8 * c + cols[cc]) * N + rows[2 * j + h],)
-                    live = live + ((8 * c + cols[cc] < M) & (rows[2 * j + h] < N),)
+            for cc in tl.static_range(min(M, 2)):  # at M = 1 no lane's 2t + 1 is a row of y: its sums are dead code
+                values = values + (acc[j][2 * h + cc],)
+                index = index + (cols[cc] * N + rows[2 * j + h],)
+                live = live + ((cols[cc] < M) & (rows[2 * j + h] < N),)
     store_split(part_ptr, out_ptr, count_ptr, values, index, live, M * N, SPLIT)
 
 
 @triton.jit
-def zero_acc(R: tl.constexpr, MG: tl.constexpr, W: tl.constexpr):
-    """Zero accumulators acc[j][c] (4 f32 [32 W]) for R row groups and MG column groups."""
+def zero_acc(R: tl.constexpr, W: tl.constexpr):
     acc = ()
     for j in tl.static_range(R):
-        row = ()
-        for c in tl.static_range(MG):
-            z = tl.zeros([32 * W], dtype=tl.float32)
-            row = row + ((z, z, z, z),)
-        acc = acc + (row,)
+        z = tl.zeros([32 * W], dtype=tl.float32)
+        acc = acc + ((z, z, z, z),)
     return acc
 
 

@@ -11,8 +11,7 @@ File format:
      "gemm": {"Q4_K": {"28672x4096": {"16": {"block_m": 16, "block_n": 64, "split_k": 4}, ...}, ...}},
      "prefill": {"dense_from_m": 129, "scratch_dtype": "bfloat16", "scratch_mib": 1024},
      "allreduce": {"gate_bytes": 524288, "block": 1024, "num_warps": 4}}
-`matvec` holds the decode mat-vec of repacked weights (1..8 rows; a matrix whose entries go on to 16, 32 or 64
-rows takes the mat-vec up to the largest, which must name a kernel that takes that many: `lanes`), `matvec_canonical` of weights kept in
+`matvec` holds the decode mat-vec of repacked weights (1..8 rows), `matvec_canonical` of weights kept in
 GGUF's blocks (`--no-repack`), `experts` the decode mat-vec of a repacked stack of experts (one expert's
 N x K) by assignments a launch (tokens x experts a token; each is one expert at one row): an entry there
 replaces the `matvec` entry of one expert at one row (its kernel where it names none), so a launch of many
@@ -92,12 +91,6 @@ class Tuning:
         parameters...}, the file's where it has one, else the backend's fallback."""
         found = self._entry("matvec" if repacked else "matvec_canonical", type_name, n, k, m)
         return found if found is not None else dict(_FALLBACK[self.backend]["matvec"])
-
-    def matvec_rows(self, type_name: str, n: int, k: int, repacked: bool = True) -> int:
-        """The most rows of x an N x K matrix of `type_name` takes the decode mat-vec at (the quantized GEMM
-        from there): its entries' largest row count where that is above 8, else 8."""
-        table = "matvec" if repacked else "matvec_canonical"
-        return max([8] + [int(m) for m in self._by_m(table, type_name, n, k)])
 
     def gemm(self, type_name: str, n: int, k: int, m: int) -> dict[str, int]:
         """The quantized GEMM's launch parameters for an N x K matrix at m rows (9 to dense_from_m - 1): the

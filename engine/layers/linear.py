@@ -203,8 +203,7 @@ def _pad_plane(rows: int, k: int, j: int) -> torch.Tensor:
 class TritonMethod(QuantMethod):
     """GPU: weights stay in their GGUF type on the device (repacked planes, or canonical blocks with
     --no-repack); up to 8 rows the decode mat-vec (triton_kernels/matvec.py) with the kernel the tuning
-    file names for each matrix (up to 64 where the file's entries go on above 8 rows: the lanes kernel); from
-    there the quantized GEMM (gemm.quant_gemm: the weights read once,
+    file names for each matrix; from 9 rows the quantized GEMM (gemm.quant_gemm: the weights read once,
     dequantized in registers); from the file's `dense_from_m`, the matrix is dequantized into a scratch
     buffer and multiplied by the vendor GEMM.
 
@@ -255,8 +254,7 @@ class TritonMethod(QuantMethod):
             w = build(raw, type_id, rows, layer.in_features)
             layer.packed.append(w)
             try:  # the kernels and launch parameters by row count, chosen once here, not per token
-                rows = self.tuning.matvec_rows(w.type_name, w.n, w.k, w.repacked)
-                layer.tuned.append([choose(w, m, self.tuning) for m in range(1, rows + 1)])
+                layer.tuned.append([choose(w, m, self.tuning) for m in range(1, 9)])
                 layer.gemm.append({m: gemm_params(w, m, self.tuning, sms) for m in self._gemm_buckets()})
             except ValueError as e:
                 raise ModelLoadError(str(e)) from e
@@ -315,11 +313,8 @@ class TritonMethod(QuantMethod):
     def experts_want_q8_1(self, layer, tokens: int) -> bool:
         return self.q8_1_cache and self._decode(tokens) and any(c.int8 for c in layer.tuned)
 
-    def _decode(self, m: int, layer: QuantLinear | None = None) -> bool:
-        """Whether m rows take the decode mat-vec: up to 8 rows, or as many as every matrix of `layer` has
-        mat-vec entries for (tuning.matvec_rows), below dense_from_m."""
-        rows = min(len(by_m) for by_m in layer.tuned) if layer is not None else 8
-        return m < self.tuning.dense_from_m and m <= rows
+    def _decode(self, m: int) -> bool:
+        return m < self.tuning.dense_from_m and m <= 8
 
     def _gemm_buckets(self) -> list[int]:
         """The row counts the quantized GEMM's launches are chosen for: 16, 32, ... below dense_from_m (a
@@ -331,7 +326,7 @@ class TritonMethod(QuantMethod):
         return out
 
     def wants_q8_1(self, layer: QuantLinear, m: int) -> bool:
-        return self.q8_1_cache and self._decode(m, layer) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
+        return self.q8_1_cache and self._decode(m) and any(by_m[m - 1].kernel.int8 for by_m in layer.tuned)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor, q8_1: tuple | None = None) -> torch.Tensor:
         from vegaserve.triton_kernels.gemm import quant_gemm
@@ -340,7 +335,7 @@ class TritonMethod(QuantMethod):
         from vegaserve.triton_kernels.q8_1 import quantize_q8_1
 
         m = x.shape[0]
-        if not self._decode(m, layer):
+        if not self._decode(m):
             xq = x.to(self.gemm_dtype)
             if m < self.tuning.dense_from_m:  # the weights read once, dequantized in registers
                 bucket = next(b for b in layer.gemm[0] if b >= m)
@@ -379,7 +374,7 @@ class QuantLinear(nn.Module):
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
         self.packed: list = []  # TritonMethod's PackedWeights
-        self.tuned: list = []  # and their mat-vec choices (matvec.Choice) for 1..8 rows (or tuning.matvec_rows)
+        self.tuned: list = []  # and their mat-vec choices (matvec.Choice) for 1..8 rows
         self.gemm: list = []  # and their quantized GEMM's launch parameters by row bucket (16, 32, ...)
         self.device = torch.device("cpu")
 

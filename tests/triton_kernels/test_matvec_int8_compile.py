@@ -6,9 +6,8 @@ interpreter runs the integer emulation of those instructions, so only a compiler
 these compilers need no GPU. (Whether gfx906 runs them right is for a gfx906.)
 
 Runs in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted functions). M = 1
-(the lanes kernel: 8, and 64 for Q4_K and Q8_0 in its layout test), a split-K of 2, the tiles of an 8B
-decode; the 32-element types also with a masked last tile (TAIL), as gpt-oss's rows of 90 blocks take
-tiles of 16.
+(the lanes kernel: 8), a split-K of 2, the tiles of an 8B decode; the 32-element types also with a masked
+last tile (TAIL), as gpt-oss's rows of 90 blocks take tiles of 16.
 """
 
 from __future__ import annotations
@@ -159,14 +158,13 @@ def test_quant_word_loads_put_the_lanes_of_a_warp_along_the_row(offline_compile)
 
 LANES = SM90 + r"""
 mma_per_tile = {"Q4_K": 8, "Q6_K": 16, "Q8_0": 4, "Q4_0": 4, "IQ4_NL": 4, "MXFP4": 4}  # at NB 4
-runs = [(8, 4, 64, 1), (8, 4, 128, 2), (8, 8, 128, 1)]  # (rows of x, warps, block_n, split)
-wide = [("Q4_K", (64, 4, 64, 1)), ("Q8_0", (64, 4, 64, 2))]  # 8 column groups
-for name, (m, warps, block_n, split) in [(n, r) for n in mma_per_tile for r in runs] + wide:
-    asm = sm90(matvec_mma.lanes_kernel, dict(M=m, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=PTX_DP4A, CARRY=1,
+runs = [(4, 64, 1), (4, 128, 2), (8, 128, 1)]
+for name, (warps, block_n, split) in [(n, r) for n in mma_per_tile for r in runs]:
+    asm = sm90(matvec_mma.lanes_kernel, dict(M=8, BLOCK_N=block_n, NB=4, SPLIT=split, DOT=PTX_DP4A, CARRY=1,
                                              PDL=True, **matvec_mma.kernel_args(getattr(T, name), warps)), warps)
     ttgir = asm["ttgir"]
     layouts = sorted(set(re.findall(r"^#\w+ = (#ttg\.\w+<.*>)$", ttgir, re.M)))
-    key = f"{name} {m} {warps} {block_n} {split}"
+    key = f"{name} {warps} {block_n} {split}"
     print(key, "layouts", len(layouts), "|".join(layouts))
     print(key, "converts", ttgir.count("ttg.convert_layout"), "shared", ttgir.count("ttg.local_alloc"))
     print(key, "mma", asm["ptx"].count("mma.sync.aligned.m16n8k") // mma_per_tile[name])
@@ -179,13 +177,12 @@ def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compil
     one-value-a-lane layout, lane i % 32 of warp i // 32, which the mma.sync fragments assume: one blocked
     layout in the whole kernel (sizePerThread 1, 32 lanes, the W warps), no layout conversion and no
     shared memory (the tl.dot kernel's cost), and one mma a block (Q4_K: 8 a super-block, Q6_K 16) for
-    each of the warp's 16-row groups and each column group of 8 rows of x, for every type at 8 rows and
-    for Q4_K and Q8_0 at 64 (8 column groups on the same A words)."""
+    each of the warp's 16-row groups, for every type."""
     out = offline_compile(LANES, "cuda", "90", 32)
-    lines = [line.split(maxsplit=6) for line in out.splitlines() if line != "compiled"]
+    lines = [line.split(maxsplit=5) for line in out.splitlines() if line != "compiled"]
     seen = set()
-    for name, m, warps, block_n, split, what, rest in lines:
-        seen.add((name, m, warps, block_n, split))
+    for name, warps, block_n, split, what, rest in lines:
+        seen.add((name, warps, block_n, split))
         if what == "layouts":
             count, layouts = rest.split(maxsplit=1)
             assert count == "1", layouts
@@ -194,6 +191,6 @@ def test_lanes_kernel_keeps_one_value_a_lane_and_no_shared_memory(offline_compil
         elif what == "converts":
             assert rest.split() == ["0", "shared", "0"], rest
         else:
-            groups = int(block_n) // (16 * int(warps)) * ((int(m) + 7) // 8)
-            assert int(rest) == groups, (name, m, warps, block_n, rest)
-    assert len(seen) == 20
+            groups = int(block_n) // (16 * int(warps))
+            assert int(rest) == groups, (name, warps, block_n, rest)
+    assert len(seen) == 18

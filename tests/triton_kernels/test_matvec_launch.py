@@ -65,19 +65,6 @@ def test_plan_refuses_canonical_blocks_a_bad_block_n_and_more_than_8_rows():
     assert (launch.per_tile, launch.per_split, launch.split) == (1, 1, 2) and launch.grid(16) == (1, 2)
 
 
-def test_plan_takes_the_rows_its_kernel_takes_and_names_the_limit():
-    """The lanes kernel takes up to 64 rows of x (8 column groups of 8); past a kernel's rows the refusal
-    names its limit; the outputs are y [M, N] and split-K partials [split, M, N] at any M."""
-    tid = IDS["Q8_0"]
-    w = repack(random_blocks(tid, 16, 4, torch.Generator().manual_seed(5)), tid, 16, 128)
-    params = {"block_n": 16, "nb": 2, "split_k": 2, "num_warps": 1}
-    launch = plan("lanes", torch.zeros(64, 128), w, params, max_rows=64)
-    part, y, _ = launch.outputs(64, 16, torch.device("cpu"))
-    assert launch.split == 2 and y.shape == (64, 16) and part.shape == (2, 64, 16)
-    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
-        plan("lanes", torch.zeros(65, 128), w, params, max_rows=64)
-
-
 def test_arrival_counts_are_one_zeroed_buffer_a_device_that_only_grows():
     """A captured graph keeps the address it was captured with: a request no larger than the buffer gets
     the same buffer; a larger one a new buffer, the old one kept alive."""

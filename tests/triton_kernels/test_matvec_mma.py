@@ -37,36 +37,6 @@ def test_lanes_kernels_match_the_reference(name, block_n, num_warps, nb, split_k
                          {"block_n": block_n, "nb": nb, "split_k": split_k, "num_warps": num_warps, "carry": carry})
 
 
-@pytest.mark.parametrize("name", LANES_TYPES)
-@pytest.mark.parametrize("rows, block_n, num_warps, split_k, carry",
-                         [((9, 64), 64, 2, 1, 1), ((16, 24, 33), 64, 4, 2, 0)],
-                         ids=["two-row-groups", "one-row-group-split"])
-def test_lanes_kernels_match_the_reference_above_8_rows(name, rows, block_n, num_warps, split_k, carry,
-                                                         q8_1_reference_check):
-    """Above 8 rows of x the rows come in column groups of 8 (group c: x's rows 8c to 8c + 7 as the
-    instruction's columns), each multiplied by the same A words with its own x row (8c + g), q8_1 scales
-    (columns 8c + 2t, 8c + 2t + 1) and accumulators, and stored to its own rows of y: the reference's
-    product at 9 (a last group of one live column), 16, 24, 33 and 64 rows (all 8 groups), 1 and 2 groups of
-    16 weight rows a warp, split-K 1 and 2 (every group's partials summed), odd N. Short rows to keep the
-    interpreter quick: the 32-element types 4 blocks in tiles of 2 (two tiles a program: each group's x
-    pointers move on), the K-quants a super-block a split."""
-    k = 256 * split_k if name in ("Q4_K", "Q6_K") else 128
-    q8_1_reference_check(matvec_lanes, name, 37, k, rows, 31,
-                         {"block_n": block_n, "nb": 2, "split_k": split_k, "num_warps": num_warps, "carry": carry})
-
-
-def test_lanes_kernels_refuse_more_than_64_rows_and_one_block_tiles_above_8():
-    """64 rows is 8 column groups, the most the kernel has; a tile of one block, which runs the int8 kernel
-    (1..8 rows), is refused above 8 rows instead of running that kernel outside its rows."""
-    tid = IDS["Q8_0"]
-    w = repack(random_blocks(tid, 16, 8, torch.Generator().manual_seed(37)), tid, 16, 256)
-    params = {"block_n": 16, "nb": 4, "split_k": 1, "num_warps": 1}
-    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
-        matvec_lanes(torch.randn(65, 256), w, params)
-    with pytest.raises(ValueError, match="tiles of two blocks or more above 8 rows"):
-        matvec_lanes(torch.randn(9, 256), w, {**params, "nb": 1})
-
-
 def test_lanes_kernels_refuse_a_block_n_their_warps_cannot_split():
     tid = IDS["Q4_K"]
     w = repack(random_blocks(tid, 16, 1, torch.Generator().manual_seed(23)), tid, 16, 256)
