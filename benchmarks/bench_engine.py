@@ -9,7 +9,10 @@ token to the end. Also pp (one --pp-token prompt, time to its first token) and, 
 of one stream under torch.profiler: wall time per step and the share of it with no kernel running.
 First, where graphs are captured, 32 greedy tokens of 3 streams four ways, in this order: plain eager,
 replayed, the graphs' static batch (padded to its bucket) run eagerly, and plain eager again; each pair says
-whether and where it parts (the two eager runs: whether a run depends on what ran before it).
+whether and where it parts (the two eager runs: whether a run depends on what ran before it). Each run
+starts with an empty prefix cache, so each computes every prompt row. On a mixture of experts with random
+weights a last-bit difference can choose another expert and then another token with a wide margin, so a
+parting there is not by itself a fault: it says where to look.
 --fill-uninitialized: every fresh allocation filled with NaN (torch's deterministic mode, warnings only),
 so a kernel that reads memory nothing wrote shows it in the outputs (slower; for the check, not for timing).
 
@@ -58,7 +61,10 @@ def decode_round(core: EngineCore, streams: int, prompt: int, gen: int, g: torch
 
 
 def greedy_tokens(core: EngineCore, n_streams: int, n: int, seed: int) -> list[list[TokenLogprob]]:
-    """`n` greedy tokens of each of `n_streams` random prompts, each with its two best logprobs."""
+    """`n` greedy tokens of each of `n_streams` random prompts, each with its two best logprobs. The prefix
+    cache is emptied first: a run that found an earlier run's blocks of the same prompts would compute fewer
+    prompt rows, in other launches, and so would not be the same computation."""
+    core.pool.reset_prefix_cache()
     g = torch.Generator().manual_seed(seed)
     reqs = [GenerateRequest(torch.randint(0, core.arch.vocab_size, (8 + 13 * i,), generator=g).tolist(),
                             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2))

@@ -163,6 +163,19 @@ class BlockPool:
         self.hits += len(ids) * bs
         return ids
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (back to the free list), as vLLM's reset_prefix_cache:
+        the next prompt computes all its tokens. Blocks a running request holds stay cached. Returns the blocks
+        forgotten."""
+        for block_id in self._evictable:
+            block = self._blocks[block_id]
+            del self._cached[block.hash]
+            block.hash = block.token_ids = None
+            self._free.append(block_id)
+        n = len(self._evictable)
+        self._evictable.clear()
+        return n
+
     def cache_full_blocks(self, token_ids: Sequence[int], table: BlockTable, num_computed: int) -> None:
         """Register the table's blocks that became full and computed since the last call.
 

@@ -133,6 +133,22 @@ def test_second_request_with_the_same_prefix_shares_its_cached_blocks():
     assert_consistent(pool, [first, second])
 
 
+def test_a_prefix_cache_reset_forgets_the_released_blocks_and_keeps_the_held_ones():
+    pool = BlockPool(8, 4)
+    held = admit(pool, list(range(10)))  # 2 full blocks cached, still referenced
+    done = admit(pool, list(range(50, 60)))
+    released = done.block_ids
+    done.release()  # its 2 full blocks evictable, its partial one free
+    assert [pool.hash_of(b) is not None for b in released] == [True, True, False]
+    assert pool.reset_prefix_cache() == 2
+    assert pool.match_prefix(list(range(50, 60))) == []
+    assert all(pool.hash_of(b) is None for b in released) and pool.num_free == 8 - 3
+    assert pool.match_prefix(list(range(10))) == held.block_ids[:2]  # a running request's blocks stay cached
+    pool.free(held.block_ids[:2])
+    assert_consistent(pool, [held])
+    assert pool.reset_prefix_cache() == 0
+
+
 def test_match_never_includes_the_block_holding_the_last_prompt_token():
     pool = BlockPool(8, 4)
     prompt = list(range(8))  # exactly two full blocks, both cached once computed
@@ -258,7 +274,8 @@ def test_a_thousand_aborted_requests_leave_every_block_free_or_evictable():
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random interleavings of admit (match + allocate + cache), grow, raw allocate/free and release."""
+    """Random interleavings of admit (match + allocate + cache), grow, raw allocate/free, release and prefix
+    cache resets."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -308,6 +325,13 @@ class PoolMachine(RuleBasedStateMachine):
         table.release()
         if twice:
             table.release()
+
+    @rule()
+    def reset_prefix_cache(self):
+        evictable = self.pool.num_free - len(self.pool._free)
+        free = self.pool.num_free
+        assert self.pool.reset_prefix_cache() == evictable
+        assert self.pool.num_free == free and not self.pool._evictable
 
     @invariant()
     def pool_matches_the_tables(self):
