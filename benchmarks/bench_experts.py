@@ -12,7 +12,8 @@ no call finds its experts in L2; calls are replayed in one CUDA graph, x's q8_1 
 calls, as the layer's norm hands it over. The bytes counted are the GGUF bytes of the experts in use, each
 once, averaged over the calls. Each stack's product is checked against the reference dequantizer's first.
 --sweep: launch configs laid over the file's choice (as bench_kernels.py's), each checked and timed; the
-table shows the fastest, a `sweep` line every config's time.
+table shows the fastest, a `sweep` line every config's time; a config a stack's shape cannot take is named
+and skipped.
 """
 
 from __future__ import annotations
@@ -92,8 +93,16 @@ def main() -> None:
             timed = []
             base = choose_experts(w0, tokens * top_k, tuning)
             for cfg in sweep:
-                choice = matvec_choice(expert(w0, 0), 1, tuning, cfg, base)
-                err, ms = time_choice(x, copies, ids, div, choice)
+                # a config this stack's shape cannot take (a tile that does not divide it) is skipped; Triton's
+                # compile and resource errors too; a wrong product still stops the run (time_choice)
+                try:
+                    choice = matvec_choice(expert(w0, 0), 1, tuning, cfg, base)
+                    err, ms = time_choice(x, copies, ids, div, choice)
+                except Exception as e:  # noqa: BLE001
+                    if len(sweep) == 1:
+                        raise
+                    print(f"  sweep {json.dumps(cfg, separators=(',', ':'))}: {str(e).splitlines()[0][:160]}")
+                    continue
                 timed.append((ms, err, choice))
             if len(timed) > 1:
                 print("  sweep " + " ".join(f"{ms * 1e3:.1f}us {c.kernel.name}{json.dumps(c.params, separators=(',', ':'))}"
