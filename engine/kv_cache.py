@@ -164,9 +164,9 @@ class BlockPool:
         return ids
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds (back to the free list), as vLLM's reset_prefix_cache:
-        the next prompt computes all its tokens. Blocks a running request holds stay cached. Returns the blocks
-        forgotten."""
+        """Forget every cached block no request holds (back to the free list; vLLM's name for it, though vLLM
+        refuses while any block is in use): the next prompt computes all its tokens. Blocks a running request
+        holds stay cached. Returns the blocks forgotten."""
         for block_id in self._evictable:
             block = self._blocks[block_id]
             del self._cached[block.hash]
