@@ -104,6 +104,9 @@ def main() -> None:
                     print(f"  sweep {json.dumps(cfg, separators=(',', ':'))}: {str(e).splitlines()[0][:160]}")
                     continue
                 timed.append((ms, err, choice))
+            if not timed:
+                print(f"| {stack} {rows}x{k} | {type_name} | {tokens} | no config of the sweep launched |")
+                continue
             if len(timed) > 1:
                 print("  sweep " + " ".join(f"{ms * 1e3:.1f}us {c.kernel.name}{json.dumps(c.params, separators=(',', ':'))}"
                                             for ms, _, c in timed))
