@@ -140,7 +140,8 @@ class Scheduler:
             seqs.append(ScheduledSeq(req, start, req.token_slice(start, n), req.table.blocks_of(start + n),
                                      samples=start + n == req.num_tokens))
             budget -= n
-        return ScheduledBatch(seqs)
+        # a request preempted after its chunk was scheduled (to make room for an earlier one) computes nothing
+        return ScheduledBatch([s for s in seqs if s.request.status is Status.RUNNING])
 
     def schedule_next(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch` while batch's sampled tokens are still on the device (async decode,
