@@ -40,8 +40,14 @@ class CacheConfig:
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0: enough for max_num_seqs sequences of the full context
+    # --prefix-states: hybrid models' recurrent states kept for prefix caching (engine/state_pool.py), each the
+    # size of one sequence's state; 0: no prefix caching for them. None: one per sequence (-np), at least 4,
+    # none under draft-mtp (EngineConfig.state_snapshots)
+    prefix_states: int | None = None
 
     def __post_init__(self) -> None:
+        _require(self.prefix_states is None or self.prefix_states >= 0,
+                 f"--prefix-states must be >= 0, got {self.prefix_states}")
         _require(self.context_size >= 0, f"context size must be >= 0, got {self.context_size}")
         _require(self.block_size >= 1, f"KV block size must be >= 1, got {self.block_size}")
         _require(self.num_blocks >= 0, f"KV block count must be >= 0, got {self.num_blocks}")
@@ -172,6 +178,21 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"  # auto: cuda/hip if present, else cpu
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # the MTP block's k/v of a resumed prefix would be missing: it is written as the block catches up on a
+        # request's own positions (engine/speculative.py MtpProposer)
+        _require(not (self.cache.prefix_states and self.speculative.type == "draft-mtp"),
+                 "--prefix-states with --spec-type draft-mtp is not supported yet: give --prefix-states 0")
+
+    @property
+    def state_snapshots(self) -> int:
+        """Recurrent-state snapshots a hybrid model keeps for prefix caching (--prefix-states filled in)."""
+        if self.cache.prefix_states is not None:
+            return self.cache.prefix_states
+        # (at least 4: a request may save twice, its shared head and its end, and one conversation of a lone
+        # user should not evict its system prompt's state)
+        return 0 if self.speculative.type == "draft-mtp" else max(self.scheduler.max_num_seqs, 4)
 
     @classmethod
     def from_dict(cls, tree: dict[str, Any]) -> EngineConfig:

@@ -33,7 +33,7 @@ from vegaserve.engine.request import ContextLengthError, GenerateRequest, Invali
 from vegaserve.engine.kv_cache import BlockPool, BlockTable
 from vegaserve.engine.scheduler import Request, ScheduledBatch, Scheduler, Status
 from vegaserve.engine.speculative import check_speculative, make_speculator
-from vegaserve.engine.state_pool import StatePool
+from vegaserve.engine.state_pool import StatePool, StateSnapshots
 from vegaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,13 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size)
         masks = MaskFiller(self.grammars.vocab_size, mask_threads(self.device))
         self.runner = ModelRunner(self.executor, bs, masks)
-        # hybrid models: a recurrent-state slot per running sequence (the workers hold n_seqs of them)
+        # hybrid models: a recurrent-state slot per running sequence (the workers hold n_seqs of them), and the
+        # snapshots prefix caching resumes from
         self.states = StatePool(n_seqs) if self.arch.hybrid is not None else None
-        self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states)
+        n_saved = config.state_snapshots if self.states is not None else 0
+        self.snapshots = StateSnapshots(n_saved) if n_saved else None
+        self.scheduler = Scheduler(self.pool, n_seqs, max(config.scheduler.max_num_batched_tokens, 16), self.states,
+                                   self.snapshots)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.spec = make_speculator(config, self.gguf, self.device, num_blocks, self.max_model_len, show_progress,

@@ -73,7 +73,7 @@ VERIFY_ROWS = 512
 
 def make_worker(launch: Launch, model, comm, device: torch.device, show_progress: bool = False) -> StageWorker:
     """The rank's worker: its KV cache in the configured type (a hybrid model's recurrent state for
-    max_num_seqs sequences beside it) and its decode and verify graphs: on a single GPU, or on each rank of
+    max_num_seqs sequences and its prefix-caching snapshots beside it) and its decode and verify graphs: on a single GPU, or on each rank of
     tensor parallelism alone with the peer-write AllReduce."""
     cfg = launch.config
     bs = cfg.cache.block_size
@@ -89,7 +89,8 @@ def make_worker(launch: Launch, model, comm, device: torch.device, show_progress
         topo.world_size == 1 or (topo.pp == 1 and getattr(comm, "custom", None) is not None))
     worker = StageWorker(model, comm, launch.num_slots, device, cfg.parallel.sched_n_copies,
                          kv_cache_dtype(cfg.cache.kv_dtype, device), spare_slots=bs if graphs else 0,
-                         state_slots=cfg.scheduler.max_num_seqs, state_backups=cfg.speculative.enabled)
+                         state_slots=cfg.scheduler.max_num_seqs, state_backups=cfg.speculative.enabled,
+                         state_snapshots=cfg.state_snapshots)
     if graphs:
         from vegaserve.engine.cuda_graphs import DecodeGraphs, MtpGraphs, graph_buckets
 

@@ -49,6 +49,10 @@ class StepPlan:
     # one distinct key per sequence, its block table's serial, where the plan goes to other ranks as changes
     # to the last keyed plan (distributed/plan_codec.py); empty: sent whole
     keys: tuple[object, ...] = ()
+    # hybrid models' prefix caching (engine/state_pool.py): (snapshot, state slot) copied before the step,
+    # (state slot, snapshot) after it
+    restores: tuple[tuple[int, int], ...] = ()
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

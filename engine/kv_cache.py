@@ -29,7 +29,7 @@ import hashlib
 import itertools
 import struct
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 ROOT_HASH = b""  # the parent digest of a sequence's first block
 
@@ -39,6 +39,16 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def prefix_digest(token_ids: Sequence[int], n_blocks: int, block_size: int, known: Sequence[bytes] = ()) -> bytes:
+    """The chain hash of the prefix that ends with block n_blocks - 1 of token_ids (n_blocks >= 1); `known`:
+    the hashes of its leading blocks already computed (BlockTable.block_hashes), taken as they are."""
+    known = known[:n_blocks]
+    parent = known[-1] if known else ROOT_HASH
+    for i in range(len(known), n_blocks):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+    return parent
 
 
 class NoFreeBlocks(RuntimeError):
@@ -139,21 +149,39 @@ class BlockPool:
 
     # ---------------------------------------------------------------------------------- prefix cache
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The longest run of cached full blocks that starts token_ids, each with one more reference.
-
-        The block holding the last token is never matched: that token must be computed to produce the
-        logits of the next one. Counts len(token_ids) queried tokens and the matched ones as hits."""
+    def _cached_run(self, token_ids: Sequence[int]) -> Iterator[tuple[bytes, int]]:
+        """(chain hash, block id) of each leading full block of token_ids that is cached, in order; never the
+        block holding the last token."""
         bs = self.block_size
-        ids: list[int] = []
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = chain_hash(parent, tokens)
             block_id = self._cached.get(parent)
             if block_id is None or self._blocks[block_id].token_ids != tokens:
-                break
+                return
+            yield parent, block_id
+
+    def cached_blocks(self, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of token_ids are cached (what match_prefix would find with no `ends`);
+        takes no references and counts nothing."""
+        return sum(1 for _ in self._cached_run(token_ids))
+
+    def match_prefix(self, token_ids: Sequence[int], ends: Callable[[bytes], bool] | None = None) -> list[int]:
+        """The longest run of cached full blocks that starts token_ids, each with one more reference.
+
+        The block holding the last token is never matched: that token must be computed to produce the
+        logits of the next one. `ends`: the run must end on a block whose chain hash it accepts (a hybrid
+        model resumes only where its recurrent state was saved), shortened to the last such block. Counts
+        len(token_ids) queried tokens and the matched ones as hits."""
+        bs = self.block_size
+        ids: list[int] = []
+        usable = 0
+        for digest, block_id in self._cached_run(token_ids):
             ids.append(block_id)
+            if ends is None or ends(digest):
+                usable = len(ids)
+        del ids[usable:]
         for block_id in ids:
             block = self._blocks[block_id]
             if block.ref_count == 0:

@@ -115,7 +115,8 @@ def scratch_elements(gguf: GGUFFile, layers: range, head: bool, cap: int) -> int
 
 def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
     """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix); a hybrid
-    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences. On a GPU also
+    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences (and of its
+    prefix-caching snapshots). On a GPU also
     the prompt scratches (scratch_elements, bf16)."""
     layers = launch.stages[stage]
     sizes = _layer_bytes(gguf, arch)
@@ -132,9 +133,11 @@ def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) ->
         kv_layers += sum(i >= hy.trunk for i in layers)
     kv_heads = kv_heads_per_lane(arch.n_kv_heads, launch.topo.tp)
     kv = 2 * kv_layers * launch.num_slots * kv_heads * arch.head_dim * itemsize
-    # (speculative decoding keeps a backup of each sequence's state for its verify steps)
-    state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * launch.config.scheduler.max_num_seqs * (
-        1 + launch.config.speculative.enabled)
+    # (speculative decoding keeps a backup of each sequence's state for its verify steps; prefix caching its
+    # snapshots)
+    cfg = launch.config
+    states = cfg.scheduler.max_num_seqs * (1 + cfg.speculative.enabled) + cfg.state_snapshots
+    state = 0 if hy is None else hy.lane(launch.topo.tp).state_bytes(layers) * states
     head = stage == launch.topo.pp - 1
     scratch = 0
     if launch.device_type == "cuda":
@@ -172,7 +175,8 @@ def _draft_bytes(launch: Launch) -> Callable[[Launch], int]:
 
     gguf = GGUFFile(spec.draft_model)
     arch = arch_config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
-    config = dataclasses.replace(launch.config, speculative=dataclasses.replace(spec, type="none", draft_model=None))
+    config = dataclasses.replace(launch.config, speculative=dataclasses.replace(spec, type="none", draft_model=None),
+                                 cache=dataclasses.replace(launch.config.cache, prefix_states=0))
     return lambda target: _rank_bytes(gguf, arch, dataclasses.replace(
         target, config=config, topo=SINGLE, stages=(range(arch.n_layers),)), 0)
 
@@ -210,12 +214,16 @@ def _fit_memory(launch: Launch, gguf: GGUFFile, arch: ArchConfig, limit: int, so
             return dataclasses.replace(launch, num_slots=tokens, max_model_len=min(tokens, launch.max_model_len))
     stage = max(stages, key=lambda s: need[s])
     state = f" and recurrent state for {n_seqs} sequences" if arch.hybrid is not None else ""
+    snapshots = config.state_snapshots if arch.hybrid is not None else 0
+    if snapshots:
+        state += f" and {snapshots} saved for prefix caching"
     if stage == 0 and config.speculative.type == "draft":
         state += ", with the draft model's"
+    fewer = "fewer sequences (-np)" + (" or fewer saved states (--prefix-states)" if snapshots else "")
     raise ConfigError(
         f"{gguf.path}: {launch.topo.describe()} needs {need[stage] / 2**30:.2f} GiB on each device of stage {stage} "
         f"(weights and KV cache for {launch.num_slots} tokens{state}), but {source} gives {limit / 2**30:.2f} GiB: "
-        f"use more devices, a smaller context (-c) or fewer sequences (-np)"
+        f"use more devices, a smaller context (-c) or {fewer}"
     )
 
 

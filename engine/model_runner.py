@@ -97,7 +97,8 @@ class ModelRunner:
         # hybrid models: a drafted sequence's state is backed up and its rows' inputs kept, for a roll back
         snapshot = tuple(i for i, s in enumerate(batch.seqs) if s.drafts) if states else ()
         plan = StepPlan([(s.block_ids, s.start, s.tokens) for s in batch.seqs], every, self.block_size,
-                        states, snapshot, tuple(self.rollback), tuple(s.request.table.serial for s in batch.seqs))
+                        states, snapshot, tuple(self.rollback), tuple(s.request.table.serial for s in batch.seqs),
+                        batch.restores, batch.saves)
         self.rollback = []
         step = StepInFlight(self, batch, wants_prompt)
         if input_ids is None:  # the guided requests' matchers have seen every token: fill beside the forward

@@ -8,8 +8,11 @@ preempted (its blocks released, its tokens recomputed later: preemption by recom
 the front of the queue, so arrival order is kept.
 
 Hybrid models (`states`, engine/state_pool.py): a request is admitted only with a recurrent-state slot as
-well as its first blocks, and gives both back when it is preempted, finished or aborted; prefix caching is
-off for them (state_pool.py says why), so a request always starts at token 0 and its chunks carry the state.
+well as its first blocks, and gives both back when it is preempted, finished or aborted; its chunks carry the
+state from step to step. With `snapshots`, prefix caching resumes them where a state was saved: a prompt's
+chunk ends at the last block boundary before its final token and the step saves the state there; a request
+whose prompt starts with a saved prefix adopts its blocks up to that boundary and gets the state copied into
+its slot (the batch's `saves` and `restores`, state_pool.py). Without them a request starts at token 0.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from vegaserve.engine.grammar import Matcher
-from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks
+from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks, prefix_digest
 from vegaserve.engine.request import GenerateRequest, SamplingParams
-from vegaserve.engine.state_pool import StatePool
+from vegaserve.engine.state_pool import StatePool, StateSnapshots
 
 
 class Status(enum.Enum):
@@ -44,6 +47,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose k/v are in the cache
+    # hybrid models' prefix caching: where the cached KV of an earlier request's tokens ends in this one's, when
+    # no saved state let it resume (its state is saved there too: the next such request resumes); else 0
+    shared: int = 0
     table: BlockTable | None = None
     state_slot: int | None = None  # its recurrent-state slot while running (hybrid models)
     status: Status = Status.WAITING
@@ -95,6 +101,9 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
+    # hybrid models' prefix caching: (snapshot, state slot) copied before the step, (state slot, snapshot) after
+    restores: tuple[tuple[int, int], ...] = ()
+    saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -106,10 +115,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, token_budget: int, states: StatePool | None = None) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, token_budget: int, states: StatePool | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.pool = pool
         self.states = states
-        self.prefix_caching = states is None
+        self.snapshots = snapshots if states is not None else None
+        self.prefix_caching = states is None or self.snapshots is not None
+        self._restores: list[tuple[int, int]] = []  # the admissions' of the step being scheduled
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.waiting: deque[Request] = deque()
@@ -127,21 +139,48 @@ class Scheduler:
         self._admit()
         budget = self.token_budget
         seqs: list[ScheduledSeq] = []
+        saves: list[Request] = []
         # decodes (one pending token) first, so streams keep their pace while long prompts are chunked
         for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
             if budget <= 0:
                 break
             if req not in self.running:  # preempted below to make room for an earlier request
                 continue
+            start = req.num_computed
             n = min(req.num_pending, budget)
+            cut = self._save_point(req)
+            if cut and cut <= start + n:  # the chunk ends where the state is saved
+                n = cut - start
             if not self._grow(req, n):
                 continue
-            start = req.num_computed
             seqs.append(ScheduledSeq(req, start, req.token_slice(start, n), req.table.blocks_of(start + n),
                                      samples=start + n == req.num_tokens))
+            if start + n == cut:
+                saves.append((req, cut))
             budget -= n
         # a request preempted after its chunk was scheduled (to make room for an earlier one) computes nothing
-        return ScheduledBatch([s for s in seqs if s.request.status is Status.RUNNING])
+        seqs = [s for s in seqs if s.request.status is Status.RUNNING]
+        restores, self._restores = tuple(self._restores), []
+        return ScheduledBatch(seqs, restores, self._reserve([(r, c) for r, c in saves if r.status is Status.RUNNING]))
+
+    def _save_point(self, req: Request) -> int:
+        """The next place past req's computed tokens where a hybrid model's prefix caching saves its state: where
+        another request's cached KV ends in its tokens (req.shared), then the last block boundary before its
+        final token. 0: none left, or a request that skips the prefix cache."""
+        if self.snapshots is None or req.params.prompt_logprobs is not None:
+            return 0
+        last = (req.num_tokens - 1) // self.pool.block_size * self.pool.block_size
+        return min((p for p in (req.shared, last) if p > req.num_computed), default=0)
+
+    def _reserve(self, saves: list[tuple[Request, int]]) -> tuple[tuple[int, int], ...]:
+        """(state slot, snapshot) for each (request, its save point this step's chunk ends at), unless that
+        prefix's state is saved already."""
+        bs, out = self.pool.block_size, []
+        for req, cut in saves:
+            key = prefix_digest(req.all_ids, cut // bs, bs, req.table.block_hashes)
+            if key not in self.snapshots:
+                out.append((req.state_slot, self.snapshots.reserve(key)))
+        return tuple(out)
 
     def schedule_next(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch` while batch's sampled tokens are still on the device (async decode,
@@ -174,9 +213,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             table = BlockTable(self.pool)
+            req.shared = 0
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
             if req.params.prompt_logprobs is None and self.prefix_caching:
-                req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids))
+                ends = None if self.snapshots is None else self.snapshots.__contains__
+                req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids, ends))
+                if self.snapshots is not None and not req.num_computed:
+                    req.shared = self.pool.cached_blocks(req.all_ids) * self.pool.block_size
             no_state = self.states is not None and self.states.num_free == 0
             if no_state or table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
                 table.release()
@@ -186,6 +229,8 @@ class Scheduler:
             req.table = table
             if self.states is not None:
                 req.state_slot = self.states.allocate()
+                if req.num_computed:  # resumed where a state was saved: it goes into the slot first
+                    self._restores.append((self.snapshots.take(table.block_hashes[-1]), req.state_slot))
             req.status = Status.RUNNING
             self.running.append(req)
 

@@ -31,6 +31,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "alias": ("model", "served_model_name"),
     "ctx_size": ("cache", "context_size"),
     "cache_type_k": ("cache", "kv_dtype"),
+    "prefix_states": ("cache", "prefix_states"),
     "parallel": ("scheduler", "max_num_seqs"),
     "batch_size": ("scheduler", "max_num_batched_tokens"),
     "split_mode": ("parallel", "split_mode"),
@@ -68,6 +69,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ctk", "--cache-type-k", choices=list(_KV_TYPES), help="KV cache type (default: f32 on a CPU; "
                    "bf16 on GPUs with native bf16, f16 on others such as gfx906)")
     g.add_argument("-ctv", "--cache-type-v", choices=list(_KV_TYPES), help="must equal -ctk: keys and values share one type")
+    g.add_argument("--prefix-states", type=int, metavar="N", help="hybrid models: recurrent states saved for "
+                   "prefix caching, each the size of a sequence's state (0: a shared prefix is recomputed; default: "
+                   "-np, at least 4; none under --spec-type draft-mtp)")
     g.add_argument("--device", help="cpu, cuda, cuda:N (default: a GPU if present)")
     g.add_argument("-t", "--threads", type=int, help="torch's CPU threads in this process (the N CPU processes of "
                    "-ndev N take the cores / N each)")

@@ -37,6 +37,8 @@ class PlanChanges(NamedTuple):
     snapshot: tuple[int, ...]
     rollback: tuple[tuple[int, int], ...]
     keys: tuple[object, ...]
+    restores: tuple[tuple[int, int], ...]
+    saves: tuple[tuple[int, int], ...]
 
 
 class PlanSteady(NamedTuple):
@@ -56,6 +58,8 @@ class PlanSteady(NamedTuple):
     state_slots: tuple[int, ...]
     snapshot: tuple[int, ...]
     rollback: tuple[tuple[int, int], ...]
+    restores: tuple[tuple[int, int], ...]
+    saves: tuple[tuple[int, int], ...]
 
 
 def _kept(old: list[int], blocks: list[int]) -> int:
@@ -87,7 +91,8 @@ class PlanEncoder:
             kept = [_kept(old[i], blocks[i]) for i in changed]
             wire: object = PlanSteady(changed, kept, [blocks[i][n:] for i, n in zip(changed, kept)],
                                       [s for _, s, _ in mseqs], [t for _, _, t in mseqs], msg.all_logits,
-                                      msg.block_size, msg.state_slots, msg.snapshot, msg.rollback)
+                                      msg.block_size, msg.state_slots, msg.snapshot, msg.rollback, msg.restores,
+                                      msg.saves)
         else:
             last = dict(zip(self.keys, self.blocks))
             kept, seqs = [], []
@@ -97,7 +102,7 @@ class PlanEncoder:
                 kept.append(n)
                 seqs.append((b[n:], start, tokens))
             wire = PlanChanges(tuple(kept), seqs, msg.all_logits, msg.block_size, msg.state_slots, msg.snapshot,
-                               msg.rollback, keys)
+                               msg.rollback, keys, msg.restores, msg.saves)
         self.keys, self.blocks, self.ends = keys, blocks, ends
         return wire
 
@@ -117,7 +122,7 @@ class PlanDecoder:
                 blocks[i] = (old if n == len(old) else old[:n]) + tail
             self.blocks = blocks
             return StepPlan(list(zip(blocks, msg.starts, msg.tokens, strict=True)), msg.all_logits, msg.block_size,
-                            msg.state_slots, msg.snapshot, msg.rollback, self.keys)
+                            msg.state_slots, msg.snapshot, msg.rollback, self.keys, msg.restores, msg.saves)
         if not isinstance(msg, PlanChanges):
             return msg
         last, seqs = dict(zip(self.keys, self.blocks)), []
@@ -128,4 +133,4 @@ class PlanDecoder:
             seqs.append((tail, start, tokens))
         self.keys, self.blocks = msg.keys, [b for b, _, _ in seqs]
         return StepPlan(seqs, msg.all_logits, msg.block_size, msg.state_slots, msg.snapshot, msg.rollback,
-                        msg.keys)
+                        msg.keys, msg.restores, msg.saves)

@@ -59,13 +59,14 @@ class StageWorker:
 
     def __init__(self, model: LlamaModel, comm: Communicator, num_slots: int, device: torch.device,
                  n_copies: int | None = None, kv_dtype: torch.dtype = torch.float32, spare_slots: int = 0,
-                 state_slots: int = 0, state_backups: bool = False) -> None:
+                 state_slots: int = 0, state_backups: bool = False, state_snapshots: int = 0) -> None:
         self.model = model
         self.comm = comm
         self.device = device
         cfg = model.cfg
         self.cache = KVCache(model.n_cache_layers, num_slots, model.kv_heads, cfg.head_dim, kv_dtype, device, spare_slots)
-        self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0), backups=state_backups)
+        self.cache.state = model.recurrent_state(state_slots, device, spare=int(spare_slots > 0), backups=state_backups,
+                                                 snapshots=state_snapshots)
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs, set by the executor (make_worker)
         self.verify_graphs = None  # the same for speculative decoding's verify steps (R rows a sequence)
         self.mtp_graphs: list = []  # draft-mtp's MTP block steps (cuda_graphs.MtpGraphs): 1 row, then R rows a sequence
@@ -88,13 +89,24 @@ class StageWorker:
         self.pending = []
         if back:
             state.roll_back(self.saved, back)
+        if plan.restores:  # prefix caching: resumed sequences start from their saved states
+            state.restore(plan.restores)
+        out = self._forward(plan, input_ids)
+        if plan.saves:
+            state.save(plan.saves)
+        return out
+
+    def _forward(self, plan: StepPlan, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        state = self.cache.state
         if self.graphs is not None and self.graphs.fits(plan.seqs, plan.all_logits):
             out = self.graphs.run(plan.seqs, input_ids, plan.state_slots)
             return out if self.comm.rank == 0 else None
         # (a hybrid model's: only a step with guesses, whose states are backed up and rolled back, since every
         # sequence's state goes through all R rows, padding included)
+        # (and not where a state is saved after the step: a replayed step leaves its sequences' padding rows in
+        # their states until the next step rolls them back)
         if (self.verify_graphs is not None and input_ids is None and (state is None or plan.snapshot)
-                and self.verify_graphs.fits(plan.seqs, plan.all_logits)):
+                and not plan.saves and self.verify_graphs.fits(plan.seqs, plan.all_logits)):
             if state is not None:  # every sequence goes through R rows: all backed up (a new one's as zeros)
                 state.back_up(list(plan.state_slots), [start == 0 for _, start, _ in plan.seqs])
             out = self.verify_graphs.run(plan.seqs, all_logits=plan.all_logits, state_slots=plan.state_slots)

@@ -39,23 +39,43 @@ class RecurrentState:
     """Per linear-attention layer of a rank and per sequence slot, f32: conv [layers, slots, K - 1, conv_dim]
     (the last inputs, oldest first) and ssm [layers, slots, v_heads, D, D] (the delta rule's state, index
     [key, value]). With `backups` (speculative decoding), slot s + slots holds slot s's state from before
-    its last verify step (`back_up`). `spare` slots past those belong to no sequence: a decode graph's padded
-    rows use them (the first is `spare_slot`)."""
+    its last verify step (`back_up`). Then come `snapshots`, the states prefix caching saved (snapshot j at
+    `snapshot_slot(j)`: engine/state_pool.py). `spare` slots past those belong to no sequence: a decode
+    graph's padded rows use them (the first is `spare_slot`)."""
 
     def __init__(self, n_layers: int, slots: int, cfg: HybridConfig, device: torch.device, spare: int = 0,
-                 backups: bool = False) -> None:
-        n = slots * (1 + backups) + spare
+                 backups: bool = False, snapshots: int = 0) -> None:
+        n = slots * (1 + backups) + snapshots + spare
         self.conv = torch.zeros(n_layers, n, cfg.conv_kernel - 1, cfg.conv_dim, device=device)
         self.ssm = torch.zeros(n_layers, n, cfg.v_heads, cfg.head_dim, cfg.head_dim, device=device)
         self.slots = slots
         self.backups = backups
+        self.snapshots = snapshots
         self.tiled = cfg.tiled
         # back_up's and roll_back's slot and row numbers, each call's in one copy that does not wait on the GPU
         self._staging = (HostStaging(device), HostStaging(device))
 
     @property
     def spare_slot(self) -> int:
-        return self.slots * (1 + self.backups)
+        return self.snapshot_slot(self.snapshots)
+
+    def snapshot_slot(self, j: int) -> int:
+        return self.slots * (1 + self.backups) + j
+
+    def restore(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Each (snapshot, slot): the snapshot's state, every layer's, into the sequence slot."""
+        self._copy([(self.snapshot_slot(j), s) for j, s in pairs])
+
+    def save(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Each (slot, snapshot): the sequence slot's state, every layer's, into the snapshot."""
+        self._copy([(s, self.snapshot_slot(j)) for s, j in pairs])
+
+    def _copy(self, moves: list[tuple[int, int]]) -> None:
+        if any(not 0 <= i < self.spare_slot for m in moves for i in m):
+            raise ValueError(f"state copies {moves} reach past the {self.spare_slot} slots and snapshots")
+        src, dst = self._staging[0].upload([[a for a, _ in moves], [b for _, b in moves]])
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
 
     @property
     def nbytes(self) -> int:

@@ -230,8 +230,10 @@ class HybridModel(LlamaModel):
     def n_state_layers(self) -> int:
         return sum(layer.linear for layer in self.layers)
 
-    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0, backups: bool = False) -> RecurrentState:
-        return RecurrentState(self.n_state_layers, slots, self.cfg.hybrid.lane(self.comm.tp), device, spare, backups)
+    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0, backups: bool = False,
+                        snapshots: int = 0) -> RecurrentState:
+        return RecurrentState(self.n_state_layers, slots, self.cfg.hybrid.lane(self.comm.tp), device, spare, backups,
+                              snapshots)
 
     def load(self, w: WeightLoader) -> None:
         super().load(w)

@@ -162,7 +162,8 @@ class LlamaModel(nn.Module):
         """Layers of this rank that keep k/v in the paged cache."""
         return len(self.layers)
 
-    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0, backups: bool = False):
+    def recurrent_state(self, slots: int, device: torch.device, spare: int = 0, backups: bool = False,
+                        snapshots: int = 0):
         """The per-sequence state of a hybrid model's linear-attention layers (models/hybrid.py); none here."""
         return None
 

@@ -122,22 +122,6 @@ def test_an_aborted_request_gives_its_state_slot_and_blocks_back(converted):
     assert core.states.num_free == core.states.num_slots and core.pool.num_free == free_blocks
 
 
-def test_prefix_caching_is_off_for_hybrid_models():
-    """A prompt's KV blocks are not enough to resume a hybrid model: the state after them is not kept."""
-    blocks = BlockPool(64, 16)
-    sched = Scheduler(blocks, max_num_seqs=4, token_budget=512, states=StatePool(4))
-    first = _req("a", 40)
-    sched.add(first)
-    sched.schedule()
-    first.num_computed = 40
-    sched.computed(first)
-    sched.finish(first)
-    again = _req("b", 40)
-    sched.add(again)
-    sched.schedule()
-    assert again.num_computed == 0 and blocks.queries == 0
-
-
 # -- the model's state in steps ----------------------------------------------------------------------------
 
 def test_a_3000_token_prompt_prefilled_in_chunks_of_256_gives_the_logits_of_one_chunk(converted):
@@ -242,7 +226,8 @@ def test_a_decode_graphs_static_batch_stages_the_state_slots_and_equals_the_eage
     spare = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
                     cache.k.device, spare=bs)
     spare.k[:, : cache.num_slots], spare.v[:, : cache.num_slots] = cache.k, cache.v
-    spare.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1)
+    spare.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1,
+                                               snapshots=cache.state.snapshots)
     spare.state.conv[:, :-1], spare.state.ssm[:, :-1] = cache.state.conv, cache.state.ssm
     spare.state.conv[:, -1], spare.state.ssm[:, -1] = float("nan"), float("nan")  # only a padded row may go there
     graphs = DecodeGraphs(worker.model, spare, 4, core.max_model_len, bs, torch.device("cpu"))
@@ -432,26 +417,35 @@ def _plan(g: GGUFFile, limit: float, slots: int = 512, context: int = 256, devic
     return plan_launch(cfg, g, arch, context, slots, torch.device(device))
 
 
-def _qwen35_bytes(g: GGUFFile, slots: int, draft: bool = False) -> int:
+def _qwen35_bytes(g: GGUFFile, slots: int, draft: bool = False, saved: int = 4) -> int:
     """qwen35's file: 4 blocks (linear, full, linear, MTP); the KV cache covers the one trunk attention layer,
-    and each of max_num_seqs (4) sequences holds two layers' conv rows and delta-rule heads. With `draft`, the
-    file drafting for itself: its weights and cache twice, and the target's state kept twice for verify steps."""
+    and each of max_num_seqs (4) sequences holds two layers' conv rows and delta-rule heads, as does each of
+    the `saved` prefix-caching snapshots (default: one a sequence, at least 4). With `draft`, the file
+    drafting for itself: its weights and cache twice, and the target's state kept twice for verify steps."""
     weights = sum(t.n_bytes for n, t in g.tensors.items() if n.startswith("blk.") or n == "token_embd.weight")
     kv = 2 * 1 * slots * 1 * 32 * 4  # k and v, one layer, one KV head of 32, f32
     state = 2 * 4 * ((4 - 1) * 128 + 4 * 16 * 16)  # 2 layers: 3 conv rows of 128 channels, 4 heads of 16 x 16
-    return weights + kv + 4 * state + (weights + kv + 2 * 4 * state if draft else 0)
+    return weights + kv + (4 + saved) * state + (weights + kv + 2 * 4 * state if draft else 0)
 
 
 def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequences_state():
-    """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds; a draft
+    """With the cache's size given (-c), a plan one byte over the device fails, naming what it holds (the
+    prefix-caching snapshots as --prefix-states sets them: one a sequence, at least 4, by default); a draft
     model's weights and cache count on the first device; on a GPU, the prompt scratches too (the largest of
     these four blocks' matrices together, bf16: the bound launch.scratch_elements gives and the emulated GPU
     path's checks hold the method to)."""
     g = GGUFFile(DATA / "qwen35-f32.gguf")
     need = _qwen35_bytes(g, 512)
     _plan(g, need + 0.5, cache={"context_size": 128})
-    with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences"):
+    with pytest.raises(ConfigError, match="KV cache for 512 tokens and recurrent state for 4 sequences and 4 saved "
+                       "for prefix caching.*or fewer saved states \\(--prefix-states\\)"):
         _plan(g, need - 1, cache={"context_size": 128})
+    for saved in (1, 0):  # --prefix-states N
+        need = _qwen35_bytes(g, 512, saved=saved)
+        _plan(g, need + 0.5, cache={"context_size": 128, "prefix_states": saved})
+        with pytest.raises(ConfigError, match="for 4 sequences and 1 saved" if saved else "for 4 sequences\\),"):
+            _plan(g, need - 1, cache={"context_size": 128, "prefix_states": saved})
+    need = _qwen35_bytes(g, 512)
     scratch = 2 * max(sum(math.prod(t.shape) for n, t in g.tensors.items()
                           if n.startswith(f"blk.{i}.") and len(t.shape) == 2) for i in range(4))
     gpu = {"device": "cuda", "cache": {"context_size": 128, "kv_dtype": "float32"}}
@@ -461,7 +455,7 @@ def test_the_memory_check_counts_kv_for_attention_layers_only_and_every_sequence
     draft = {"type": "draft", "draft_model": str(g.path)}
     need = _qwen35_bytes(g, 512, draft=True)
     _plan(g, need + 0.5, cache={"context_size": 128}, speculative=draft)
-    with pytest.raises(ConfigError, match="for 4 sequences, with the draft model's"):
+    with pytest.raises(ConfigError, match="for 4 sequences and 4 saved for prefix caching, with the draft model's"):
         _plan(g, need - 1, cache={"context_size": 128}, speculative=draft)
 
 
@@ -790,7 +784,8 @@ def test_a_replayed_verify_step_leaves_the_next_step_what_the_eager_one_does(con
     mine = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
                    cache.k.device, spare=bs)
     mine.k[:, : cache.num_slots], mine.v[:, : cache.num_slots] = cache.k, cache.v
-    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True)
+    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True,
+                                              snapshots=cache.state.snapshots)
     mine.state.conv[:, :-1], mine.state.ssm[:, :-1] = cache.state.conv, cache.state.ssm
     graphs = DecodeGraphs(worker.model, mine, 4, core.max_model_len, bs, torch.device("cpu"), rows=3)
     assert graphs.fits(verify.seqs, verify.all_logits)
@@ -840,7 +835,8 @@ def test_speculation_through_the_verify_graphs_static_batch_changes_no_output(co
     cache = worker.cache
     mine = KVCache(cache.k.shape[0], cache.num_slots, cache.k.shape[2], cache.k.shape[3], cache.k.dtype,
                    cache.k.device, spare=bs)
-    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True)
+    mine.state = worker.model.recurrent_state(cache.state.slots, torch.device("cpu"), spare=1, backups=True,
+                                              snapshots=cache.state.snapshots)
     worker.cache = mine
     worker.verify_graphs = DecodeGraphs(worker.model, mine, 2, core.max_model_len, bs, torch.device("cpu"), rows=3)
     if spec["type"] == "ngram":

@@ -133,6 +133,28 @@ def test_second_request_with_the_same_prefix_shares_its_cached_blocks():
     assert_consistent(pool, [first, second])
 
 
+def test_a_match_told_where_it_may_end_stops_at_the_last_block_it_accepts():
+    """`ends` (a hybrid model's saved states): of three cached blocks only the second may end the run, so two
+    are matched, referenced and counted; cached_blocks sees all three and takes nothing; prefix_digest gives
+    the chain hash the table holds, from scratch or from the table's known hashes."""
+    pool = BlockPool(8, 4)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    first = admit(pool, prompt)
+    hashes = list(first.block_hashes)
+    assert len(hashes) == 3 and pool.cached_blocks(prompt) == 3
+    assert [kv_cache.prefix_digest(prompt, n, 4) for n in (1, 2, 3)] == hashes
+    assert kv_cache.prefix_digest(prompt, 3, 4, hashes[:1]) == hashes[2]
+    before = (pool.queries, pool.hits, [pool.ref_count(b) for b in first.block_ids])
+    assert before[2] == [1, 1, 1, 1]
+    second = BlockTable(pool)
+    assert second.adopt(pool.match_prefix(prompt, ends=lambda h: h == hashes[1])) == 8
+    assert second.block_ids == first.block_ids[:2]
+    assert [pool.ref_count(b) for b in first.block_ids] == [2, 2, 1, 1]
+    assert (pool.queries, pool.hits) == (before[0] + 13, before[1] + 8)
+    assert pool.match_prefix(prompt, ends=lambda h: False) == [] and pool.hits == before[1] + 8
+    assert_consistent(pool, [first, second])
+
+
 def test_a_prefix_cache_reset_forgets_the_released_blocks_and_keeps_the_held_ones():
     pool = BlockPool(8, 4)
     held = admit(pool, list(range(10)))  # 2 full blocks cached, still referenced

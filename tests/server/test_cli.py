@@ -222,6 +222,13 @@ def test_config_error_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[
     assert not served
 
 
+def test_prefix_states_reach_the_cache_config(served: list[EngineConfig]) -> None:
+    assert cli.main(["serve", "-np", "3", "--prefix-states", "5"]) == 0
+    assert cli.main(["serve", "-np", "3"]) == 0
+    assert cli.main(["serve", "-np", "6"]) == 0
+    assert [(c.cache.prefix_states, c.state_snapshots) for c in served] == [(5, 5), (None, 4), (None, 6)]
+
+
 # -- speculative decoding -------------------------------------------------------------------------------
 
 
@@ -257,6 +264,9 @@ def test_speculative_flags_reach_the_engine_config(
         (["--spec-type", "ngram", "--draft-min", "9", "--draft-max", "4"], "--draft-min 9 exceeds --draft-max 4"),
         (["--spec-type", "draft", "-md", "d.gguf", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1], got 1.5"),
         (["--spec-type", "ngram", "--spec-ngram-size-n", "1"], "--spec-ngram-size-n must be at least 2, got 1"),
+        (["--spec-type", "draft-mtp", "--prefix-states", "2"],
+         "--prefix-states with --spec-type draft-mtp is not supported yet: give --prefix-states 0"),
+        (["--prefix-states", "-1"], "--prefix-states must be >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_bad_speculative_flags_exit_2_with_one_line_before_any_model_loads(

@@ -18,7 +18,7 @@ from vegaserve.engine.forward_batch import MtpPlan, StepPlan
 def _plan(seqs: dict[str, tuple[list[int], int]], order: list[str] | None = None) -> StepPlan:
     keys = order or list(seqs)
     return StepPlan([(list(seqs[k][0]), seqs[k][1], [7]) for k in keys], [False] * len(keys), 16,
-                    keys=tuple(keys))
+                    keys=tuple(keys), restores=((len(keys), 0),), saves=((0, len(keys)),))
 
 
 def _send(enc: PlanEncoder, decs: list[PlanDecoder], msg: object) -> list[object]:
