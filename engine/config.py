@@ -41,8 +41,8 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0: enough for max_num_seqs sequences of the full context
     # --prefix-states: hybrid models' recurrent states kept for prefix caching (engine/state_pool.py), each the
-    # size of one sequence's state; 0: no prefix caching for them. None: one per sequence (-np), at least 4,
-    # none under draft-mtp (EngineConfig.state_snapshots)
+    # size of one sequence's state; 0: no prefix caching for them. None: one per sequence (-np), at least 4
+    # (EngineConfig.state_snapshots)
     prefix_states: int | None = None
 
     def __post_init__(self) -> None:
@@ -179,12 +179,6 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda/hip if present, else cpu
     seed: int | None = None
 
-    def __post_init__(self) -> None:
-        # the MTP block's k/v of a resumed prefix would be missing: it is written as the block catches up on a
-        # request's own positions (engine/speculative.py MtpProposer)
-        _require(not (self.cache.prefix_states and self.speculative.type == "draft-mtp"),
-                 "--prefix-states with --spec-type draft-mtp is not supported yet: give --prefix-states 0")
-
     @property
     def state_snapshots(self) -> int:
         """Recurrent-state snapshots a hybrid model keeps for prefix caching (--prefix-states filled in)."""
@@ -192,7 +186,7 @@ class EngineConfig:
             return self.cache.prefix_states
         # (at least 4: a request may save twice, its shared head and its end, and one conversation of a lone
         # user should not evict its system prompt's state)
-        return 0 if self.speculative.type == "draft-mtp" else max(self.scheduler.max_num_seqs, 4)
+        return max(self.scheduler.max_num_seqs, 4)
 
     @classmethod
     def from_dict(cls, tree: dict[str, Any]) -> EngineConfig:

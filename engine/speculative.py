@@ -224,7 +224,11 @@ class MtpProposer:
         hidden = self.model.hidden
         at = 0
         for s, kept in zip(batch.seqs, kept_rows, strict=True):
-            st = self.states.setdefault(s.request.request_id, _MtpState())
+            st = self.states.get(s.request.request_id)
+            if st is None:  # its first step; one resuming a cached prefix (a hybrid model's saved state) finds
+                # the block's k/v of that prefix in the adopted blocks, written as the request that computed
+                # them caught up (none where it ended before proposing: the guesses suffer, not the output)
+                st = self.states[s.request.request_id] = _MtpState(done=s.start, h_from=s.start)
             if s.start != st.h_from + len(st.h):  # recomputed from an earlier position (preempted)
                 st.done = min(st.done, s.start)
                 st.h_from, st.h = s.start, []

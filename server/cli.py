@@ -71,7 +71,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ctv", "--cache-type-v", choices=list(_KV_TYPES), help="must equal -ctk: keys and values share one type")
     g.add_argument("--prefix-states", type=int, metavar="N", help="hybrid models: recurrent states saved for "
                    "prefix caching, each the size of a sequence's state (0: a shared prefix is recomputed; default: "
-                   "-np, at least 4; none under --spec-type draft-mtp)")
+                   "-np, at least 4)")
     g.add_argument("--device", help="cpu, cuda, cuda:N (default: a GPU if present)")
     g.add_argument("-t", "--threads", type=int, help="torch's CPU threads in this process (the N CPU processes of "
                    "-ndev N take the cores / N each)")

@@ -183,13 +183,10 @@ def test_without_snapshots_a_hybrid_model_recomputes_a_shared_prefix():
 
 # -- the configuration ----------------------------------------------------------------------------------
 
-def test_prefix_states_default_to_one_a_sequence_at_least_four_and_to_none_under_draft_mtp():
+def test_prefix_states_default_to_one_a_sequence_and_at_least_four():
     assert EngineConfig.from_dict({"scheduler": {"max_num_seqs": 6}}).state_snapshots == 6
     assert EngineConfig.from_dict({"scheduler": {"max_num_seqs": 1}}).state_snapshots == 4
     assert EngineConfig.from_dict({"cache": {"prefix_states": 2}}).state_snapshots == 2
-    assert EngineConfig.from_dict({"speculative": {"type": "draft-mtp"}}).state_snapshots == 0
-    with pytest.raises(ConfigError, match="--prefix-states with --spec-type draft-mtp is not supported yet"):
-        EngineConfig.from_dict({"cache": {"prefix_states": 1}, "speculative": {"type": "draft-mtp"}})
     with pytest.raises(ConfigError, match="--prefix-states must be >= 0, got -1"):
         EngineConfig.from_dict({"cache": {"prefix_states": -1}})
 
@@ -260,6 +257,37 @@ def test_resuming_under_speculation_changes_no_output(converted, recomputed):
     got, hits = _run(converted.core(DATA, "qwen35", speculative={"type": "ngram", "draft_max": 3}))
     _same(converted, got, want)
     assert hits == 128
+
+
+def test_resuming_under_draft_mtp_changes_no_output(converted, recomputed):
+    want, _ = _recomputed(converted, recomputed, "qwen35")
+    got, hits = _run(converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"}))
+    _same(converted, got, want)
+    assert hits == 128
+
+
+def test_a_resumed_request_leaves_the_mtp_blocks_kv_of_the_shared_blocks_as_written(converted):
+    """draft-mtp's block keeps k/v in a cache layer of its own, in the request's blocks: a request resuming a
+    cached prefix starts the block after it, not at position 0 with no hidden states to pair (which would
+    write other k/v into blocks the earlier request's cache entries share)."""
+    core = converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"})
+    try:
+        gen = torch.Generator().manual_seed(9)
+        first = torch.randint(0, 320, (50,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        core.generate_sync(GenerateRequest(list(first), params))
+        blocks = core.pool.match_prefix(first)  # the first prompt's cached blocks (held only while read)
+        core.pool.free(blocks)
+        cache, bs = core.runner.executor.worker.cache, core.pool.block_size
+        slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)])
+        layer = cache.k.shape[0] - 1  # the MTP block's
+        before = cache.k[layer, slots].clone(), cache.v[layer, slots].clone()
+        assert len(blocks) == 3 and before[0].abs().sum() > 0
+        core.generate_sync(GenerateRequest(first[:48] + [5, 6, 7, 8], params))
+        assert core.pool.hits == 48 + 48  # (the read above, then the resumed request)
+        assert torch.equal(cache.k[layer, slots], before[0]) and torch.equal(cache.v[layer, slots], before[1])
+    finally:
+        core.close()
 
 
 @pytest.mark.parametrize("split", ["tensor", "layer"])

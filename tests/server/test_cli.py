@@ -264,8 +264,6 @@ def test_speculative_flags_reach_the_engine_config(
         (["--spec-type", "ngram", "--draft-min", "9", "--draft-max", "4"], "--draft-min 9 exceeds --draft-max 4"),
         (["--spec-type", "draft", "-md", "d.gguf", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1], got 1.5"),
         (["--spec-type", "ngram", "--spec-ngram-size-n", "1"], "--spec-ngram-size-n must be at least 2, got 1"),
-        (["--spec-type", "draft-mtp", "--prefix-states", "2"],
-         "--prefix-states with --spec-type draft-mtp is not supported yet: give --prefix-states 0"),
         (["--prefix-states", "-1"], "--prefix-states must be >= 0, got -1"),
     ],
 )  # fmt: skip
