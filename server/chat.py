@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> one choice, whole or streamed.
+"""POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> n choices, whole or streamed.
 
 `prepare_chat` is the CPU part (parse, check the tools and the output constraint and compile its grammar,
 render, tokenize), run off the event loop; `create_chat_completion` drives the engine and answers. The reply's
@@ -18,7 +18,7 @@ from vegaserve.engine.protocol import EngineClient, Runner
 from vegaserve.engine.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 from vegaserve.server.body import json_response, parse_body
 from vegaserve.server.chat_reply import ChatReply, delta_json, reply_parser
-from vegaserve.server.generation import Generation, collect
+from vegaserve.server.generation import Choices, collect
 from vegaserve.server.logprobs import chat_logprobs
 from vegaserve.server.metrics import ServerMetrics
 from vegaserve.server.preprocess import chat_prompt_ids, chat_sampling_params, check_model
@@ -84,54 +84,61 @@ async def create_chat_completion(
 ) -> Response:
     body, prompt_ids, params = prepared.body, prepared.prompt_ids, prepared.params
     request = GenerateRequest(prompt_ids, params, new_id("chatcmpl"))
-    generation = Generation(engine, request, metrics, drain=http.app.state.drain)
-    reply = _reply(engine, prepared)
+    choices = Choices(engine, request, body.n, metrics, drain=http.app.state.drain)
+    replies = [_reply(engine, prepared) for _ in range(body.n)]
     if body.stream:
         return await start_stream(
-            http, generation, lambda first: _chunks(engine, body, generation, first, len(prompt_ids), reply)
+            http, choices, lambda first: _chunks(engine, body, choices, first, len(prompt_ids), replies)
         )
 
-    outputs = await collect(http, generation)
-    entries: list[TokenLogprob] = [e for out in outputs for e in (out.logprobs or ())]
-    n_generated = sum(len(out.token_ids) for out in outputs)
-    reply.feed("".join(out.text for out in outputs))
-    reply.finish()
+    per_choice = await collect(http, choices)
     response = ChatCompletionResponse(
-        id=generation.request_id,
+        id=choices.request_id,
         model=engine.model_name,
-        choices=[
-            ChatChoice(
-                message=AssistantMessage(**reply.message_fields()),
-                logprobs=chat_logprobs(engine.tokenizer, entries) if params.logprobs is not None else None,
-                finish_reason=reply.finish_reason(finish_reason(outputs[-1])) if outputs else None,
-            )
-        ],
-        usage=usage_of(generation, len(prompt_ids), n_generated),
+        choices=[_choice(engine, params, i, outputs, reply)
+                 for i, (outputs, reply) in enumerate(zip(per_choice, replies, strict=True))],
+        usage=usage_of(choices, len(prompt_ids), sum(len(o.token_ids) for outs in per_choice for o in outs)),
     )
     return json_response(response)
+
+
+def _choice(engine: EngineClient, params: SamplingParams, index: int, outputs: list[RequestOutput],
+            reply: ChatReply) -> ChatChoice:
+    entries: list[TokenLogprob] = [e for out in outputs for e in (out.logprobs or ())]
+    reply.feed("".join(out.text for out in outputs))
+    reply.finish()
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(**reply.message_fields()),
+        logprobs=chat_logprobs(engine.tokenizer, entries) if params.logprobs is not None else None,
+        finish_reason=reply.finish_reason(finish_reason(outputs[-1])) if outputs else None,
+    )
 
 
 async def _chunks(
     engine: EngineClient,
     body: ChatCompletionRequest,
-    generation: Generation,
-    first: RequestOutput,
+    choices: Choices,
+    first: tuple[int, RequestOutput],
     prompt_len: int,
-    reply: ChatReply,
+    replies: list[ChatReply],
 ) -> AsyncIterator[str]:
     created = now()
     want_logprobs = body.num_logprobs() is not None
 
-    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(parts: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         return ChatCompletionChunk(
-            id=generation.request_id, created=created, model=engine.model_name, choices=choices, usage=usage
+            id=choices.request_id, created=created, model=engine.model_name, choices=parts, usage=usage
         ).model_dump_json()
 
-    # OpenAI's first chunk names the role and carries no text; clients key on it.
-    yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    # OpenAI's first chunk of each choice names the role and carries no text; clients key on it.
+    for i in range(len(replies)):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
     n_generated = 0
-    out: RequestOutput | None = first
-    while out is not None:
+    step: tuple[int, RequestOutput] | None = first
+    while step is not None:
+        i, out = step
+        reply = replies[i]
         n_generated += len(out.token_ids)
         inc = reply.feed(out.text)
         if out.finished:
@@ -145,12 +152,13 @@ async def _chunks(
             yield chunk(
                 [
                     ChatChunkChoice(
+                        index=i,
                         delta=delta,
                         logprobs=logprobs,
                         finish_reason=reply.finish_reason(finish_reason(out)),
                     )
                 ]
             )
-        out = None if out.finished else await anext(generation, None)
+        step = await anext(choices, None)
     if body.include_usage:
-        yield chunk([], usage=usage_of(generation, prompt_len, n_generated))
+        yield chunk([], usage=usage_of(choices, prompt_len, n_generated))

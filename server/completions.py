@@ -15,7 +15,7 @@ from starlette.responses import Response
 from vegaserve.engine.protocol import EngineClient, Runner
 from vegaserve.engine.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 from vegaserve.server.body import json_response, parse_body
-from vegaserve.server.generation import Generation, collect
+from vegaserve.server.generation import Choices, collect
 from vegaserve.server.logprobs import LegacyLogprobs, merge
 from vegaserve.server.metrics import ServerMetrics
 from vegaserve.server.preprocess import check_model, completion_prompt_ids, completion_sampling_params
@@ -82,52 +82,59 @@ async def create_completion(
     engine: EngineClient, metrics: ServerMetrics, http: Request, prepared: PreparedCompletion
 ) -> Response:
     body, prompt_ids, params = prepared.body, prepared.prompt_ids, prepared.params
-    generation = Generation(engine, GenerateRequest(prompt_ids, params, new_id("cmpl")), metrics,
-                            drain=http.app.state.drain)
-    echo = _Echo(engine, body, prompt_ids)
+    choices = Choices(engine, GenerateRequest(prompt_ids, params, new_id("cmpl")), body.n, metrics,
+                      drain=http.app.state.drain)
+    echoes = [_Echo(engine, body, prompt_ids) for _ in range(body.n)]
     if body.stream:
-        return await start_stream(http, generation, lambda first: _chunks(engine, body, generation, echo, first))
+        return await start_stream(http, choices, lambda first: _chunks(engine, body, choices, echoes, first))
 
-    outputs = await collect(http, generation)
-    parts = [echo.prompt_part(outputs[0])] if outputs else []
-    parts += [echo.output_part(out) for out in outputs]
-    logprobs = merge([p for p in parts if p is not None]) if echo.logprobs is not None else None
+    per_choice = await collect(http, choices)
     response = CompletionResponse(
-        id=generation.request_id,
+        id=choices.request_id,
         model=engine.model_name,
-        choices=[
-            CompletionChoice(
-                text=echo.text + "".join(out.text for out in outputs),
-                logprobs=logprobs,
-                finish_reason=finish_reason(outputs[-1]) if outputs else None,
-            )
-        ],
-        usage=usage_of(generation, len(prompt_ids), sum(len(out.token_ids) for out in outputs)),
+        choices=[_choice(i, outputs, echo) for i, (outputs, echo) in enumerate(zip(per_choice, echoes, strict=True))],
+        usage=usage_of(choices, len(prompt_ids), sum(len(o.token_ids) for outs in per_choice for o in outs)),
     )
     return json_response(response)
 
 
+def _choice(index: int, outputs: list[RequestOutput], echo: _Echo) -> CompletionChoice:
+    parts = [echo.prompt_part(outputs[0])] if outputs else []
+    parts += [echo.output_part(out) for out in outputs]
+    return CompletionChoice(
+        index=index,
+        text=echo.text + "".join(out.text for out in outputs),
+        logprobs=merge([p for p in parts if p is not None]) if echo.logprobs is not None else None,
+        finish_reason=finish_reason(outputs[-1]) if outputs else None,
+    )
+
+
 async def _chunks(
-    engine: EngineClient, body: CompletionRequest, generation: Generation, echo: _Echo, first: RequestOutput
+    engine: EngineClient, body: CompletionRequest, choices: Choices, echoes: list[_Echo],
+    first: tuple[int, RequestOutput]
 ) -> AsyncIterator[str]:
     created = now()
 
-    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(parts: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return CompletionResponse(
-            id=generation.request_id, created=created, model=engine.model_name, choices=choices, usage=usage
+            id=choices.request_id, created=created, model=engine.model_name, choices=parts, usage=usage
         ).model_dump_json()
 
     n_generated = 0
-    out: RequestOutput | None = first
-    while out is not None:
+    started: set[int] = set()  # the choices whose first output went out (with the echoed prompt)
+    step: tuple[int, RequestOutput] | None = first
+    while step is not None:
+        i, out = step
+        echo = echoes[i]
         n_generated += len(out.token_ids)
-        prefix, prompt_part = (echo.text, echo.prompt_part(out)) if out is first else ("", None)
+        prefix, prompt_part = ("", None) if i in started else (echo.text, echo.prompt_part(out))
+        started.add(i)
         part = echo.output_part(out)
         if prompt_part is not None and part is not None:
             part = merge([prompt_part, part])
         text = prefix + out.text
         if text or out.finished or part is not None and part.tokens:
-            yield chunk([CompletionChoice(text=text, logprobs=part, finish_reason=finish_reason(out))])
-        out = None if out.finished else await anext(generation, None)
+            yield chunk([CompletionChoice(index=i, text=text, logprobs=part, finish_reason=finish_reason(out))])
+        step = await anext(choices, None)
     if body.include_usage:
-        yield chunk([], usage=usage_of(generation, len(echo.prompt_ids), n_generated))
+        yield chunk([], usage=usage_of(choices, len(echoes[0].prompt_ids), n_generated))

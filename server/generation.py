@@ -8,11 +8,15 @@ streaming yet notice the client leaving, since nothing is being sent that could 
 A shutdown whose drain timed out cuts the requests still running (`Drain.cut`): each wait for the engine's
 next output also waits on the cut, which raises ServerShuttingDown, so a stream ends with an error event and
 `[DONE]` and a plain request with a 503, instead of being cancelled under the server's feet.
+
+`Choices` is what the routes drive: OpenAI's `n` choices of one response, one Generation each (the same
+prompt, their own samplers), their outputs as (choice index, output) in the order the engine gives them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -126,6 +130,65 @@ class Generation:
             logger.warning("the engine stream of %s failed after its finish", self.request_id, exc_info=True)
 
 
+class Choices:
+    """The n choices of one response, each its own engine request (`{id}-{i}` past the first; a seed given
+    becomes seed + i, so sampled choices differ and repeat): iterate (index, output) pairs, and always
+    `await close()` at the end, which ends every one."""
+
+    def __init__(self, engine: EngineClient, request: GenerateRequest, n: int, metrics: ServerMetrics,
+                 drain: Drain | None = None) -> None:
+        def member(i: int) -> GenerateRequest:
+            if i == 0:
+                return request
+            seed = request.params.seed
+            params = request.params if seed is None else dataclasses.replace(request.params, seed=(seed + i) % 2**64)
+            return dataclasses.replace(request, params=params, request_id=f"{request.request_id}-{i}")
+
+        self.request_id = request.request_id
+        self.members = [Generation(engine, member(i), metrics, drain) for i in range(n)]
+        self._next: dict[int, asyncio.Future[RequestOutput]] = {}  # each unfinished choice's wait (n > 1)
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if len(self.members) == 1:
+            return 0, await self.members[0].__anext__()
+        if not self._next:
+            self._next = {i: asyncio.ensure_future(g.__anext__()) for i, g in enumerate(self.members) if not g.finished}
+        while self._next:
+            await asyncio.wait(self._next.values(), return_when=asyncio.FIRST_COMPLETED)
+            i = min(i for i, f in self._next.items() if f.done())  # (the lowest index first where several are)
+            try:
+                out = self._next.pop(i).result()
+            except StopAsyncIteration:
+                continue
+            if not out.finished:
+                self._next[i] = asyncio.ensure_future(self.members[i].__anext__())
+            return i, out
+        raise StopAsyncIteration
+
+    def num_generated(self) -> int | None:
+        """The engine's count of tokens generated over every choice, None where it gave none."""
+        counts = [g.last.num_generated_tokens if g.last is not None else 0 for g in self.members]
+        return sum(counts) if all(counts) else None
+
+    def num_prompt(self) -> int | None:
+        last = self.members[0].last
+        return last.num_prompt_tokens if last is not None and last.num_prompt_tokens else None
+
+    async def close(self) -> None:
+        """Idempotent: ends every choice (aborting those not finished)."""
+        waits, self._next = list(self._next.values()), {}
+        for f in waits:
+            f.cancel()
+        if waits:
+            with anyio.move_on_after(_CLEANUP_TIMEOUT_S, shield=True):
+                await asyncio.wait(waits)
+        for g in self.members:
+            await g.close()
+
+
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     """Runs `work()`; if the client disconnects first, cancels it and raises ClientDisconnected.
 
@@ -158,13 +221,16 @@ async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -
     return result
 
 
-async def collect(request: Request, generation: Generation) -> list[RequestOutput]:
-    """All outputs of a non-streaming request; aborts it if the client leaves while it runs."""
+async def collect(request: Request, choices: Choices) -> list[list[RequestOutput]]:
+    """All outputs of a non-streaming request, per choice; aborts them if the client leaves while they run."""
 
-    async def drain() -> list[RequestOutput]:
-        return [out async for out in generation]
+    async def drain() -> list[list[RequestOutput]]:
+        outputs: list[list[RequestOutput]] = [[] for _ in choices.members]
+        async for i, out in choices:
+            outputs[i].append(out)
+        return outputs
 
     try:
         return await until_disconnect(request, drain)
     finally:
-        await generation.close()
+        await choices.close()

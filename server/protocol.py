@@ -76,6 +76,9 @@ class NamedToolChoice(_Request):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+MAX_CHOICES = 128  # choices a request may ask for (n)
+
+
 class SamplingFields(_Request):
     """Fields chat and completions share: OpenAI's, then the llama-server / vLLM extras."""
 
@@ -107,11 +110,10 @@ class SamplingFields(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        # One sequence per request keeps the engine interface simple; clients wanting several
-        # samples send several requests, which batch together anyway.
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
+    def _choices(cls, n: int) -> int:
+        # each choice is its own engine request (server/generation.py Choices), so n is bounded like a batch
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}, got {n}")
         return n
 
     @field_validator("logit_bias")

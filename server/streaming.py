@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from vegaserve.engine.request import EngineError, RequestOutput
 from vegaserve.server.errors import ApiError, from_engine_error
-from vegaserve.server.generation import Generation, until_disconnect
+from vegaserve.server.generation import Choices, until_disconnect
 from vegaserve.server.protocol import UsageInfo
 
 logger = logging.getLogger("vegaserve.server")
@@ -29,27 +29,24 @@ DONE = "[DONE]"
 _PING_INTERVAL_S = 15
 
 
-def usage_of(generation: Generation, prompt_len: int, completion_tokens: int) -> UsageInfo:
-    """Usage from the engine's own counts on the last output; the server's counts stand in only when
-    an engine left them at zero."""
-    last = generation.last
-    prompt = last.num_prompt_tokens if last is not None and last.num_prompt_tokens else prompt_len
-    generated = last.num_generated_tokens if last is not None and last.num_generated_tokens else completion_tokens
-    return UsageInfo.of(prompt, generated)
+def usage_of(choices: Choices, prompt_len: int, completion_tokens: int) -> UsageInfo:
+    """Usage from the engine's own counts on each choice's last output (the prompt once, the tokens of every
+    choice); the server's counts stand in only when an engine left them at zero."""
+    return UsageInfo.of(choices.num_prompt() or prompt_len, choices.num_generated() or completion_tokens)
 
 
 def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason.value if out.finish_reason is not None else None
 
 
-async def _first_output(generation: Generation) -> RequestOutput:
-    out = await anext(generation, None)
-    if out is None:
+async def _first_output(choices: Choices) -> tuple[int, RequestOutput]:
+    first = await anext(choices, None)
+    if first is None:
         raise ApiError(500, "the engine ended the request without any output", type="server_error")
-    return out
+    return first
 
 
-async def _events_then_done(events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+async def _events_then_done(events: AsyncIterator[str], generation: Choices) -> AsyncIterator[str]:
     """Every stream ends with [DONE]; a failure mid-stream is sent as an error event first."""
     try:
         async for event in events:
@@ -73,10 +70,10 @@ async def _events_then_done(events: AsyncIterator[str], generation: Generation) 
 
 
 async def start_stream(
-    http: Request, generation: Generation, events_from: Callable[[RequestOutput], AsyncIterator[str]]
+    http: Request, generation: Choices, events_from: Callable[[tuple[int, RequestOutput]], AsyncIterator[str]]
 ) -> EventSourceResponse:
-    """Waits for the first output (aborting if the client leaves meanwhile), then streams the events
-    `events_from(first)` yields, each one JSON text."""
+    """Waits for the first output of any choice (aborting if the client leaves meanwhile), then streams the
+    events `events_from((index, first))` yields, each one JSON text."""
     try:
         first = await until_disconnect(http, lambda: _first_output(generation))
     except BaseException:

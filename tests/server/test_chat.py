@@ -160,7 +160,7 @@ def test_stream_refused_by_the_engine_is_an_http_error_not_an_event(client, engi
     }
 
 
-@pytest.mark.parametrize("extra", [{"n": 2}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}])
+@pytest.mark.parametrize("extra", [{"n": 0}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}])
 def test_unsupported_or_out_of_range_options_are_400s_naming_the_field(client, extra):
     response = client.post("/v1/chat/completions", json={"messages": MESSAGES, **extra})
     assert response.status_code == 400

@@ -89,6 +89,26 @@ def test_leaving_while_a_whole_response_is_generated_aborts_it(fake):
     assert took < 0.5
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_leaving_ends_every_choice(fake, stream):
+    """n = 3 (server/generation.py Choices): a client leaving a stream, or a whole response, aborts all three."""
+    engine = fake.FakeEngine(token_delay_s=0.005)
+    body = {"messages": [{"role": "user", "content": "abc"}], "n": 3, "stream": stream, **LONG}
+    call = AsgiCall(create_app(engine), "/v1/chat/completions", body)
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(call.run)
+                while len(engine.requests) < 3 or (stream and len(call.body_chunks()) < 6):
+                    await anyio.sleep(0.001)
+                call.leave.set()
+
+    anyio.run(main)
+    ids = sorted(r.request_id for r in engine.requests)
+    assert len(ids) == 3 and sorted(engine.aborted) == ids and sorted(engine.closed_early) == ids
+
+
 def test_finished_request_is_not_aborted(client, engine):
     client.post("/v1/completions", json={"prompt": "abc"})
     client.post("/v1/completions", json={"prompt": "abc", "stream": True})

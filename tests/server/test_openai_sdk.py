@@ -83,7 +83,7 @@ def test_tokenize_detokenize_round_trip_over_http(http):
     ({"temperature": -1}, openai.BadRequestError, ["temperature"]),
     ({"max_tokens": 0}, openai.BadRequestError, ["max_tokens"]),
     ({"top_p": 1.5}, openai.BadRequestError, ["top_p"]),
-    ({"n": 3}, openai.BadRequestError, ["n=1"]),
+    ({"n": 129}, openai.BadRequestError, ["n must be between 1 and 128"]),
     ({"model": "gpt-4o"}, openai.NotFoundError, ["gpt-4o"]),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, openai.BadRequestError, ["context", "128"]),
 ])
