@@ -41,6 +41,13 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def extend_chain(chain: list[bytes], token_ids: Sequence[int], n_blocks: int, block_size: int) -> list[bytes]:
+    """`chain`, the chain hashes of token_ids' leading full blocks, grown in place to n_blocks of them."""
+    for i in range(len(chain), n_blocks):
+        chain.append(chain_hash(chain[-1] if chain else ROOT_HASH, token_ids[i * block_size : (i + 1) * block_size]))
+    return chain
+
+
 def prefix_digest(token_ids: Sequence[int], n_blocks: int, block_size: int, known: Sequence[bytes] = ()) -> bytes:
     """The chain hash of the prefix that ends with block n_blocks - 1 of token_ids (n_blocks >= 1); `known`:
     the hashes of its leading blocks already computed (BlockTable.block_hashes), taken as they are."""
@@ -161,6 +168,11 @@ class BlockPool:
             if block_id is None or self._blocks[block_id].token_ids != tokens:
                 return
             yield parent, block_id
+
+    def count_cached(self, chain: Sequence[bytes]) -> int:
+        """How many leading hashes of a chain (extend_chain's) name cached blocks; a scheduling hint, so the
+        blocks' tokens are not compared, and nothing is referenced or counted."""
+        return next((i for i, digest in enumerate(chain) if digest not in self._cached), len(chain))
 
     def cached_blocks(self, token_ids: Sequence[int]) -> int:
         """How many leading full blocks of token_ids are cached (what match_prefix would find with no `ends`);

@@ -3,7 +3,9 @@ last sampled token); each step hands out a token budget across running requests,
 prompt chunks, then new arrivals while KV blocks are free. Chunked prefill and decode share steps.
 
 KV memory is the paged block pool (engine/kv_cache.py). A new request first takes the cached blocks of
-its longest known prefix; when a step cannot get blocks, the most recently admitted running request is
+its longest known prefix; one whose next block a running request's prompt is computing right now (copies of
+one prompt, a burst sharing a system prompt; on a hybrid model, a prefix whose state it will save) is held in
+the queue until that block is cached, and the requests behind it go first. When a step cannot get blocks, the most recently admitted running request is
 preempted (its blocks released, its tokens recomputed later: preemption by recompute) and put back at
 the front of the queue, so arrival order is kept.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vegaserve.engine.grammar import Matcher
-from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks, prefix_digest
+from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks, extend_chain, prefix_digest
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.engine.state_pool import StatePool, StateSnapshots
 
@@ -50,6 +52,7 @@ class Request:
     # hybrid models' prefix caching: where the cached KV of an earlier request's tokens ends in this one's, when
     # no saved state let it resume (its state is saved there too: the next such request resumes); else 0
     shared: int = 0
+    chain: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks (kv_cache.extend_chain)
     table: BlockTable | None = None
     state_slot: int | None = None  # its recurrent-state slot while running (hybrid models)
     status: Status = Status.WAITING
@@ -210,8 +213,13 @@ class Scheduler:
         return ScheduledBatch(seqs)
 
     def _admit(self) -> None:
+        held: list[Request] = []  # waiting on a running request to compute (and cache) the blocks they share
+        computing = self._computing()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if computing and self._waits_on(req, computing):
+                held.append(self.waiting.popleft())
+                continue
             table = BlockTable(self.pool)
             req.shared = 0
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
@@ -224,7 +232,7 @@ class Scheduler:
             if no_state or table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
                 table.release()
                 req.num_computed = 0
-                return
+                break
             self.waiting.popleft()
             req.table = table
             if self.states is not None:
@@ -233,6 +241,44 @@ class Scheduler:
                     self._restores.append((self.snapshots.take(table.block_hashes[-1]), req.state_slot))
             req.status = Status.RUNNING
             self.running.append(req)
+            if self.prefix_caching:  # the requests behind it may wait on its blocks too
+                computing.update(self._pending_blocks(req))
+        self.waiting.extendleft(reversed(held))
+
+    def _chain(self, req: Request) -> list[bytes]:
+        """req.chain grown over the full blocks of its tokens but the last one's."""
+        return extend_chain(req.chain, req.all_ids, (req.num_tokens - 1) // self.pool.block_size, self.pool.block_size)
+
+    def _computing(self) -> set[bytes]:
+        """The chain hashes of the prefixes running requests' prompts will make resumable, each once cached."""
+        if not self.prefix_caching or not self.waiting:
+            return set()
+        return {d for r in self.running for d in self._pending_blocks(r)}
+
+    def _pending_blocks(self, req: Request) -> list[bytes]:
+        """The chain hashes of the prompt blocks req has yet to fill (none once it decodes); on a hybrid model
+        only those its state will be saved at (its save points ahead), the only ones another can resume at."""
+        if req.num_pending <= 1:
+            return []
+        chain, bs = self._chain(req), self.pool.block_size
+        if self.states is None:
+            return chain[req.num_computed // bs :]
+        if self._save_point(req) == 0:
+            return []
+        last = (req.num_tokens - 1) // bs * bs
+        return [chain[p // bs - 1] for p in (req.shared, last) if p > req.num_computed]
+
+    def _waits_on(self, req: Request, computing: set[bytes]) -> bool:
+        """Whether a running request is computing the prefix req would resume next: admitted now, req would
+        compute the same tokens beside it; a step or more later it adopts them from the cache instead."""
+        if req.params.prompt_logprobs is not None:
+            return False
+        chain = self._chain(req)
+        k = self.pool.count_cached(chain)
+        if self.states is None:
+            return k < len(chain) and chain[k] in computing
+        resume = next((i for i in range(k, 0, -1) if chain[i - 1] in self.snapshots), 0)
+        return any(d in computing for d in chain[resume:])
 
     def _grow(self, req: Request, n: int) -> bool:
         """Slots for n more tokens of req, preempting later-admitted requests if blocks run out."""

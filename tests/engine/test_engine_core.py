@@ -217,3 +217,22 @@ def test_the_warm_up_of_a_hybrid_model_gives_back_its_state_slots(converted, mon
     assert steps == [[(0, 255)], [(0, 128)], [(0, 100)] + [(0, 1)] * 3, [(100, 37)]]
     assert (core.states.num_free, core.pool.num_free) == (slots, free)
     assert run(core, ids, max_tokens=6, temperature=0, ignore_eos=True)[2] == before
+
+
+def test_copies_of_a_prompt_added_together_compute_it_once_and_each_give_its_tokens(smollm2_core):
+    """Four requests of one prompt at once (OpenAI's n): the first computes it, the others wait a step for
+    its blocks and adopt them (scheduler.py's hold), and each generates what the prompt alone does."""
+    core = smollm2_core
+    ids = prompt(core, "A long prompt, so that it fills a few blocks of sixteen tokens: " * 3)
+    _, _, alone = run(core, ids, max_tokens=6, temperature=0, ignore_eos=True)
+    core.pool.reset_prefix_cache()
+    hits = core.pool.hits
+    reqs = [GenerateRequest(list(ids), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for _ in range(4)]
+    got = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work:
+        for out in core.step():
+            got[out.request_id].extend(out.token_ids)
+    assert all(toks == alone for toks in got.values()) and len(alone) == 6
+    assert core.pool.hits - hits == 3 * ((len(ids) - 1) // 16 * 16) > 0

@@ -117,15 +117,30 @@ def test_kv_cached_past_the_saved_state_is_not_adopted():
     assert batch.saves == ((second.state_slot, 1),)  # and its own last boundary, 64, is saved anew
 
 
-def test_a_prefix_is_saved_once_and_the_oldest_snapshot_goes_first():
-    sched = _sched(saved=1)
+def test_a_copy_of_a_prompt_being_computed_waits_for_its_saved_state_and_resumes_there():
+    """`b` repeats `a`'s prompt (as OpenAI's n makes them): held while `a` computes up to its save point, it
+    then resumes from the state saved there, beside `a`'s last tokens. With prompt logprobs (no prefix
+    cache) it is not held and computes everything."""
+    sched = _sched()
     a, b = _req("a", PROMPT), _req("b", PROMPT)
     sched.add(a)
     sched.add(b)
-    batch = _step(sched)  # both compute the same prompt at once: one save
-    assert len(batch.seqs) == 2 and len(batch.saves) == 1
-    for r in (a, b):
-        sched.finish(r)
+    first = _step(sched)
+    assert [s.request.request_id for s in first.seqs] == ["a"] and b.status is Status.WAITING
+    second = _step(sched)
+    assert [(s.request.request_id, s.start, len(s.tokens)) for s in second.seqs] == [("a", 48, 2), ("b", 48, 2)]
+    assert second.restores == ((0, b.state_slot),) and second.saves == ()
+    logged = _req("c", PROMPT, prompt_logprobs=1)
+    sched.add(logged)
+    assert [(s.request.request_id, s.start) for s in _step(sched).seqs if s.request is logged] == [("c", 0)]
+
+
+def test_the_oldest_snapshot_goes_first():
+    sched = _sched(saved=1)
+    a = _req("a", PROMPT)
+    sched.add(a)
+    assert len(_step(sched).saves) == 1
+    sched.finish(a)
     other = _req("c", [5] * 50)
     sched.add(other)
     assert len(_step(sched).saves) == 1  # the only snapshot now holds c's prefix
