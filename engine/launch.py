@@ -115,9 +115,8 @@ def scratch_elements(gguf: GGUFFile, layers: range, head: bool, cap: int) -> int
 
 def _rank_bytes(gguf: GGUFFile, arch: ArchConfig, launch: Launch, stage: int) -> int:
     """Weights and KV cache one rank of `stage` holds (tensor-parallel slices are 1/tp of each matrix); a hybrid
-    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences (and of its
-    prefix-caching snapshots). On a GPU also
-    the prompt scratches (scratch_elements, bf16)."""
+    model's KV for its attention layers only, and the recurrent state of max_num_seqs sequences and of its
+    prefix-caching snapshots. On a GPU also the prompt scratches (scratch_elements, bf16)."""
     layers = launch.stages[stage]
     sizes = _layer_bytes(gguf, arch)
     n = sum(sizes[i] for i in layers)

@@ -52,7 +52,8 @@ class RecurrentState:
         self.backups = backups
         self.snapshots = snapshots
         self.tiled = cfg.tiled
-        # back_up's and roll_back's slot and row numbers, each call's in one copy that does not wait on the GPU
+        # back_up's (and restore's and save's) and roll_back's slot and row numbers, each call's in one copy that
+        # does not wait on the GPU
         self._staging = (HostStaging(device), HostStaging(device))
 
     @property
