@@ -7,7 +7,12 @@ Clients stream `/v1/completions` (default) or `/v1/chat/completions` through htt
 in flight then finish. Prints a table and one JSON line (`--json-out FILE` writes that line too).
 
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8080 --concurrency 4 --num-requests 64 \\
-        --prompt-len uniform:64:512 --output-len 128 [--endpoint chat] [--calibrate] [--api-key KEY]
+        --prompt-len uniform:64:512 --output-len 128 [--endpoint chat] [--calibrate] [--api-key KEY] \\
+        [--prefix-len 2048 --prefix-groups 4]
+
+`--prefix-len N` puts a shared head of about N tokens before every prompt (`--prefix-groups G`: G heads,
+request i taking head i mod G, as clients sharing system prompts send them), which a server with prefix
+caching computes once per head; the prompt length counts the tokens after it.
 
 Measured per request, every time from the moment the request is sent:
   TTFT    time to the first chunk carrying text (a chat stream's role-only first chunk is not text);
@@ -103,6 +108,8 @@ class BenchConfig:
     prompt_len: LengthDist = LengthDist("fixed", 128)
     output_len: LengthDist = LengthDist("fixed", 128)
     temperature: float = 0.0
+    prefix_len: int = 0  # a shared head of this many tokens before every prompt
+    prefix_groups: int = 1  # distinct heads, request i taking head i % prefix_groups
     calibrate: bool = False
     include_usage: bool = True
     timeout: float = 600.0
@@ -122,6 +129,8 @@ class BenchConfig:
             raise ValueError("--num-requests must be >= 1")
         if self.duration is not None and self.duration <= 0:
             raise ValueError("--duration must be > 0")
+        if self.prefix_len < 0 or self.prefix_groups < 1:
+            raise ValueError("--prefix-len must be >= 0 and --prefix-groups >= 1")
 
     @property
     def root(self) -> str:
@@ -311,6 +320,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
         prompts = await calibrate(client) if cfg.calibrate else PromptMaker()
         results: list[RequestResult] = []
         limit = cfg.request_limit
+        heads = [prompts.make(np.random.default_rng([cfg.seed, 2, g]), cfg.prefix_len) + " "
+                 for g in range(cfg.prefix_groups)] if cfg.prefix_len else [""]
 
         def may_issue(i: int, elapsed: float) -> bool:
             return (limit is None or i < limit) and (cfg.duration is None or elapsed < cfg.duration)
@@ -319,7 +330,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
             # each request's shape depends only on (seed, i): the same prompts whatever the load mode
             rng = np.random.default_rng([cfg.seed, 1, i])
             p_len, o_len = cfg.prompt_len.sample(rng), cfg.output_len.sample(rng)
-            results.append(await send_one(client, cfg, model, prompts.make(rng, p_len), p_len, o_len))
+            text = heads[i % len(heads)] + prompts.make(rng, p_len)
+            results.append(await send_one(client, cfg, model, text, p_len + cfg.prefix_len, o_len))
 
         t0 = time.perf_counter()
         loop = _open_loop if cfg.request_rate is not None else _closed_loop
@@ -368,7 +380,8 @@ def print_table(report: dict) -> None:
     load = (f"rate {s['request_rate']} req/s, max concurrency {s['max_concurrency']}" if s["request_rate"]
             else f"concurrency {s['concurrency']}")
     print(f"{s['base_url']} /v1/{'chat/' if s['endpoint'] == 'chat' else ''}completions  model {s['model']}")
-    print(f"{load}; prompt {s['prompt_len']} output {s['output_len']} tokens; seed {s['seed']}")
+    head = f" after a shared head of {s['prefix_len']} ({s['prefix_groups']} heads)" if s["prefix_len"] else ""
+    print(f"{load}; prompt {s['prompt_len']}{head} output {s['output_len']} tokens; seed {s['seed']}")
     print(f"requests: {req['ok']} ok, {req['failed']} failed, in {report['duration_s']:.2f} s")
     for message, n in report["errors"].items():
         print(f"  {n:5d} x {message[:110]}")
@@ -411,6 +424,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
                     help="max_tokens, same forms; sent with ignore_eos: true (llama-server, vLLM and ours honour "
                          "it; a server that ignores it may stop early, and the report counts the tokens received)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="a shared head of about N tokens before every prompt (prefix caching's workload)")
+    ap.add_argument("--prefix-groups", type=int, default=1, help="G distinct heads, request i taking head i mod G")
     ap.add_argument("--calibrate", action="store_true",
                     help="measure words per token once through POST /tokenize (ours, llama-server) so prompt "
                          "lengths come out within a token or two (chat templates add their own tokens)")

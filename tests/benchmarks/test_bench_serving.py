@@ -265,6 +265,21 @@ def test_calibration_makes_prompts_the_asked_number_of_tokens(run_against) -> No
     assert sum(fake_token_count(b["prompt"]) for b in fake.bodies) > 85 * 1.2
 
 
+def test_a_shared_prefix_heads_every_prompt_by_group(run_against) -> None:
+    """--prefix-len 12 --prefix-groups 2: requests 0, 2, 4 start with one 12-word head, 1, 3, 5 with another,
+    each then its own words; the asked length counts both."""
+    report, fake = run_against(FakeServer(ttft=0.005, itl=0.005), concurrency=1, num_requests=6,
+                               prompt_len=fixed(5), output_len=fixed(1), prefix_len=12, prefix_groups=2)
+    words = [b["prompt"].split() for b in fake.bodies]
+    assert all(len(w) == 17 for w in words)
+    heads = [w[:12] for w in words]
+    assert heads[0] == heads[2] == heads[4] != heads[1] == heads[3] == heads[5]
+    assert len({tuple(w[12:]) for w in words}) == 6
+    assert report["settings"]["prefix_len"] == 12
+    with pytest.raises(ValueError, match="--prefix-len must be >= 0"):
+        bench.BenchConfig(prefix_len=-1)
+
+
 def test_main_prints_a_table_and_one_json_line_and_sends_the_api_key(tmp_path, capsys) -> None:
     fake = FakeServer(ttft=0.005, itl=0.005)
     out = tmp_path / "report.json"
