@@ -231,7 +231,7 @@ def _turns(core: EngineCore) -> list[tuple[list[int], list[list[tuple[int, float
     return out
 
 
-def _same(converted, got, want) -> None:
+def _same(got, want) -> None:
     for (tokens, tops), (want_tokens, want_tops) in zip(got, want, strict=True):
         assert tokens == want_tokens and len(tokens) == len(want_tokens) > 0
         for a, b in zip(tops, want_tops, strict=True):
@@ -247,7 +247,7 @@ def _run(core: EngineCore) -> tuple[list, int]:
 
 
 @pytest.fixture(scope="module")
-def recomputed(converted) -> dict:
+def recomputed() -> dict:
     """Each model's turns with prefix caching off: every prompt computed from token 0."""
     return {}
 
@@ -263,21 +263,21 @@ def test_resuming_a_saved_prefix_gives_the_tokens_and_logprobs_of_computing_it(c
     want, hits = _recomputed(converted, recomputed, name)
     assert hits == 0
     got, hits = _run(converted.core(DATA, name))
-    _same(converted, got, want)
+    _same(got, want)
     assert hits == 48 + 48 + 32  # the next turn and the third prompt resumed at 48, the last one at 32
 
 
 def test_resuming_under_speculation_changes_no_output(converted, recomputed):
     want, _ = _recomputed(converted, recomputed, "qwen35")
     got, hits = _run(converted.core(DATA, "qwen35", speculative={"type": "ngram", "draft_max": 3}))
-    _same(converted, got, want)
+    _same(got, want)
     assert hits == 128
 
 
 def test_resuming_under_draft_mtp_changes_no_output(converted, recomputed):
     want, _ = _recomputed(converted, recomputed, "qwen35")
     got, hits = _run(converted.core(DATA, "qwen35", speculative={"type": "draft-mtp"}))
-    _same(converted, got, want)
+    _same(got, want)
     assert hits == 128
 
 
@@ -311,7 +311,7 @@ def test_every_rank_saves_and_restores_its_share_of_the_state(converted, recompu
     of the heads' states, each pipeline stage its layers'."""
     want, _ = _recomputed(converted, recomputed, "qwen35")
     got, hits = _run(converted.core(DATA, "qwen35", parallel={"split_mode": split, "n_devices": 2}))
-    _same(converted, got, want)
+    _same(got, want)
     assert hits == 128
 
 
@@ -350,7 +350,7 @@ def test_a_busy_mix_of_shared_prefixes_preemptions_and_chunks_changes_no_output(
     plain.close()
     got, core = run(None)
     try:
-        _same(converted, got, [(t, lp) for t, lp in want])
+        _same(got, want)
         st = core.stats()
         assert st.prefix_cache_hits > 0 and st.num_preemptions > 0
         assert core.states.num_free == 4 and core.pool.num_referenced == 0
