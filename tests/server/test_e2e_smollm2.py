@@ -102,3 +102,22 @@ def test_tokenize_detokenize_round_trip(live_smollm2, smollm2_core):
     toks = httpx.post(server.base_url + "/tokenize", json={"content": "Hello world"}, headers=h).json()["tokens"]
     assert toks == smollm2_core.tokenizer.encode("Hello world", add_special_tokens=False)
     assert httpx.post(server.base_url + "/detokenize", json={"tokens": toks}, headers=h).json()["content"] == "Hello world"
+
+
+def test_n_sampled_choices_differ_repeat_with_their_seed_and_each_keeps_to_the_schema(sdk, smollm2_core):
+    """The SDK's `n`: three choices drawn at temperature 1.5 with a seed, each held to a JSON schema by its own
+    matcher; the seed makes the three repeat and its per-choice offsets (s + i) make them differ."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name a city you would like to visit."}]
+    ask = dict(model=smollm2_core.model_name, messages=messages, n=3, temperature=1.5, seed=7, max_tokens=30,
+               response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    first, again = sdk.chat.completions.create(**ask), sdk.chat.completions.create(**ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) >= 2, texts
+    for text in texts:
+        assert set(json.loads(text)) == {"city"}
