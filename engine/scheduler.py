@@ -4,8 +4,9 @@ prompt chunks, then new arrivals while KV blocks are free. Chunked prefill and d
 
 KV memory is the paged block pool (engine/kv_cache.py). A new request first takes the cached blocks of
 its longest known prefix; one whose next block a running request's prompt is computing right now (copies of
-one prompt, a burst sharing a system prompt; on a hybrid model, a prefix whose state it will save) is held in
-the queue until that block is cached, and the requests behind it go first. When a step cannot get blocks, the most recently admitted running request is
+one prompt, a burst sharing a system prompt) is held in the queue until that block is cached, and the
+requests behind it go first. On a hybrid model, which resumes only where a state is saved, the running
+request is asked to save its state where the two prompts part, and the held one resumes there. When a step cannot get blocks, the most recently admitted running request is
 preempted (its blocks released, its tokens recomputed later: preemption by recompute) and put back at
 the front of the queue, so arrival order is kept.
 
@@ -49,9 +50,10 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose k/v are in the cache
-    # hybrid models' prefix caching: where the cached KV of an earlier request's tokens ends in this one's, when
-    # no saved state let it resume (its state is saved there too: the next such request resumes); else 0
-    shared: int = 0
+    # hybrid models' prefix caching: block boundaries where its state is saved besides its prompt's last one:
+    # where an earlier request's cached KV ends in its tokens (when no saved state let it resume there), and
+    # where a waiting request's tokens part from its own (that request resumes there)
+    saves_at: set[int] = field(default_factory=set)
     chain: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks (kv_cache.extend_chain)
     table: BlockTable | None = None
     state_slot: int | None = None  # its recurrent-state slot while running (hybrid models)
@@ -167,13 +169,13 @@ class Scheduler:
         return ScheduledBatch(seqs, restores, self._reserve([(r, c) for r, c in saves if r.status is Status.RUNNING]))
 
     def _save_point(self, req: Request) -> int:
-        """The next place past req's computed tokens where a hybrid model's prefix caching saves its state: where
-        another request's cached KV ends in its tokens (req.shared), then the last block boundary before its
-        final token. 0: none left, or a request that skips the prefix cache."""
+        """The next place past req's computed tokens where a hybrid model's prefix caching saves its state: the
+        boundaries of req.saves_at, and the last block boundary before its final token. 0: none left, or a
+        request that skips the prefix cache."""
         if self.snapshots is None or req.params.prompt_logprobs is not None:
             return 0
         last = (req.num_tokens - 1) // self.pool.block_size * self.pool.block_size
-        return min((p for p in (req.shared, last) if p > req.num_computed), default=0)
+        return min((p for p in (*req.saves_at, last) if p > req.num_computed), default=0)
 
     def _reserve(self, saves: list[tuple[Request, int]]) -> tuple[tuple[int, int], ...]:
         """(state slot, snapshot) for each (request, its save point this step's chunk ends at), unless that
@@ -217,17 +219,17 @@ class Scheduler:
         computing = self._computing()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if computing and self._waits_on(req, computing):
+            if self._held(req, computing):
                 held.append(self.waiting.popleft())
                 continue
             table = BlockTable(self.pool)
-            req.shared = 0
+            req.saves_at = set()
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
             if req.params.prompt_logprobs is None and self.prefix_caching:
                 ends = None if self.snapshots is None else self.snapshots.__contains__
                 req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids, ends))
                 if self.snapshots is not None and not req.num_computed:
-                    req.shared = self.pool.cached_blocks(req.all_ids) * self.pool.block_size
+                    req.saves_at.add(self.pool.cached_blocks(req.all_ids) * self.pool.block_size)
             no_state = self.states is not None and self.states.num_free == 0
             if no_state or table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
                 table.release()
@@ -241,7 +243,7 @@ class Scheduler:
                     self._restores.append((self.snapshots.take(table.block_hashes[-1]), req.state_slot))
             req.status = Status.RUNNING
             self.running.append(req)
-            if self.prefix_caching:  # the requests behind it may wait on its blocks too
+            if self.prefix_caching and self.states is None:  # the requests behind it may wait on its blocks too
                 computing.update(self._pending_blocks(req))
         self.waiting.extendleft(reversed(held))
 
@@ -250,35 +252,38 @@ class Scheduler:
         return extend_chain(req.chain, req.all_ids, (req.num_tokens - 1) // self.pool.block_size, self.pool.block_size)
 
     def _computing(self) -> set[bytes]:
-        """The chain hashes of the prefixes running requests' prompts will make resumable, each once cached."""
-        if not self.prefix_caching or not self.waiting:
+        """The chain hashes of the blocks running requests' prompts have yet to fill, each cached once full (a
+        model without recurrent state)."""
+        if not self.prefix_caching or self.states is not None or not self.waiting:
             return set()
         return {d for r in self.running for d in self._pending_blocks(r)}
 
     def _pending_blocks(self, req: Request) -> list[bytes]:
-        """The chain hashes of the prompt blocks req has yet to fill (none once it decodes); on a hybrid model
-        only those its state will be saved at (its save points ahead), the only ones another can resume at."""
-        if req.num_pending <= 1:
-            return []
-        chain, bs = self._chain(req), self.pool.block_size
-        if self.states is None:
-            return chain[req.num_computed // bs :]
-        if self._save_point(req) == 0:
-            return []
-        last = (req.num_tokens - 1) // bs * bs
-        return [chain[p // bs - 1] for p in (req.shared, last) if p > req.num_computed]
+        """The chain hashes of the prompt blocks req has yet to fill (none once it decodes)."""
+        return self._chain(req)[req.num_computed // self.pool.block_size :] if req.num_pending > 1 else []
 
-    def _waits_on(self, req: Request, computing: set[bytes]) -> bool:
-        """Whether a running request is computing the prefix req would resume next: admitted now, req would
+    def _held(self, req: Request, computing: set[bytes]) -> bool:
+        """Whether req waits for a prefix a running request's prompt is computing: admitted now, it would
         compute the same tokens beside it; a step or more later it adopts them from the cache instead."""
-        if req.params.prompt_logprobs is not None:
+        if not self.prefix_caching or req.params.prompt_logprobs is not None:
             return False
         chain = self._chain(req)
         k = self.pool.count_cached(chain)
-        if self.states is None:
-            return k < len(chain) and chain[k] in computing
+        if self.states is None:  # its first uncached block is being filled
+            return bool(computing) and k < len(chain) and chain[k] in computing
+        # a hybrid model resumes only where a state is saved: where a running prompt shares more of req's
+        # tokens than req could resume now, that request is asked to save its state where the two part
+        bs = self.pool.block_size
         resume = next((i for i in range(k, 0, -1) if chain[i - 1] in self.snapshots), 0)
-        return any(d in computing for d in chain[resume:])
+        for r in self.running:
+            if r.num_pending <= 1 or r.params.prompt_logprobs is not None:
+                continue
+            other = self._chain(r)
+            common = next((i for i, (a, b) in enumerate(zip(chain, other)) if a != b), min(len(chain), len(other)))
+            if common > resume and common * bs > r.num_computed:
+                r.saves_at.add(common * bs)
+                return True
+        return False
 
     def _grow(self, req: Request, n: int) -> bool:
         """Slots for n more tokens of req, preempting later-admitted requests if blocks run out."""

@@ -15,7 +15,9 @@ forward), keyed by the chain hash of the block it ends (engine/kv_cache.py). A l
 starts with those blocks adopts their KV and gets the snapshot copied into its slot before its first step
 (`restores`): a conversation's next turn resumes at the previous prompt's last full block. A request that
 finds cached blocks but no saved state in them (a system prompt shared by requests that differ after it)
-saves the state where those blocks end too, so the next such request resumes there.
+saves the state where those blocks end too, so the next such request resumes there; one that arrives while
+a running request computes the prefix they share asks that request to save its state where they part, and
+waits for it (engine/scheduler.py).
 """
 
 from __future__ import annotations

@@ -135,6 +135,24 @@ def test_a_copy_of_a_prompt_being_computed_waits_for_its_saved_state_and_resumes
     assert [(s.request.request_id, s.start) for s in _step(sched).seqs if s.request is logged] == [("c", 0)]
 
 
+def test_a_prompt_sharing_a_head_with_one_being_computed_waits_for_a_state_saved_where_they_part():
+    """`a` and `b` share a 40-token head (two full blocks of it) and differ after it, and arrive together:
+    `b` is held and asks `a` to save its state where they part (32), so `a`'s chunk is cut there, and `b`
+    then resumes from that state, beside `a`'s remaining chunks."""
+    sched = _sched(budget=64)
+    head = list(range(1, 41))
+    a, b = _req("a", head + [100] * 20), _req("b", head + [200] * 20)
+    sched.add(a)
+    sched.add(b)
+    first = _step(sched)
+    assert [(s.request.request_id, s.start, len(s.tokens)) for s in first.seqs] == [("a", 0, 32)]
+    assert first.saves == ((a.state_slot, 0),) and b.status is Status.WAITING
+    second = _step(sched)
+    assert [(s.request.request_id, s.start, len(s.tokens)) for s in second.seqs] == [("a", 32, 16), ("b", 32, 16)]
+    assert second.restores == ((0, b.state_slot),)
+    assert sched.pool.hits == 32
+
+
 def test_the_oldest_snapshot_goes_first():
     sched = _sched(saved=1)
     a = _req("a", PROMPT)
