@@ -48,16 +48,6 @@ def extend_chain(chain: list[bytes], token_ids: Sequence[int], n_blocks: int, bl
     return chain
 
 
-def prefix_digest(token_ids: Sequence[int], n_blocks: int, block_size: int, known: Sequence[bytes] = ()) -> bytes:
-    """The chain hash of the prefix that ends with block n_blocks - 1 of token_ids (n_blocks >= 1); `known`:
-    the hashes of its leading blocks already computed (BlockTable.block_hashes), taken as they are."""
-    known = known[:n_blocks]
-    parent = known[-1] if known else ROOT_HASH
-    for i in range(len(known), n_blocks):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-    return parent
-
-
 class NoFreeBlocks(RuntimeError):
     """The pool cannot hand out the blocks asked for: every other block is referenced."""
 
@@ -173,11 +163,6 @@ class BlockPool:
         """How many leading hashes of a chain (extend_chain's) name cached blocks; a scheduling hint, so the
         blocks' tokens are not compared, and nothing is referenced or counted."""
         return next((i for i, digest in enumerate(chain) if digest not in self._cached), len(chain))
-
-    def cached_blocks(self, token_ids: Sequence[int]) -> int:
-        """How many leading full blocks of token_ids are cached (what match_prefix would find with no `ends`);
-        takes no references and counts nothing."""
-        return sum(1 for _ in self._cached_run(token_ids))
 
     def match_prefix(self, token_ids: Sequence[int], ends: Callable[[bytes], bool] | None = None) -> list[int]:
         """The longest run of cached full blocks that starts token_ids, each with one more reference.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vegaserve.engine.grammar import Matcher
-from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks, extend_chain, prefix_digest
+from vegaserve.engine.kv_cache import BlockPool, BlockTable, NoFreeBlocks, extend_chain
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.engine.state_pool import StatePool, StateSnapshots
 
@@ -182,7 +182,7 @@ class Scheduler:
         prefix's state is saved already."""
         bs, out = self.pool.block_size, []
         for req, cut in saves:
-            key = prefix_digest(req.all_ids, cut // bs, bs, req.table.block_hashes)
+            key = self._chain(req)[cut // bs - 1]  # the block that ends at the save point
             if key not in self.snapshots:
                 out.append((req.state_slot, self.snapshots.reserve(key)))
         return tuple(out)
@@ -229,7 +229,7 @@ class Scheduler:
                 ends = None if self.snapshots is None else self.snapshots.__contains__
                 req.num_computed = table.adopt(self.pool.match_prefix(req.all_ids, ends))
                 if self.snapshots is not None and not req.num_computed:
-                    req.saves_at.add(self.pool.cached_blocks(req.all_ids) * self.pool.block_size)
+                    req.saves_at.add(self.pool.count_cached(self._chain(req)) * self.pool.block_size)
             no_state = self.states is not None and self.states.num_free == 0
             if no_state or table.blocks_needed(min(req.num_pending, self.token_budget)) > self.pool.num_free:
                 table.release()

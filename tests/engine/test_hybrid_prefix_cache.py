@@ -13,7 +13,7 @@ import torch
 
 from vegaserve.engine.config import ConfigError, EngineConfig
 from vegaserve.engine.engine_core import EngineCore
-from vegaserve.engine.kv_cache import BlockPool, prefix_digest
+from vegaserve.engine.kv_cache import BlockPool, extend_chain
 from vegaserve.engine.request import GenerateRequest, SamplingParams
 from vegaserve.engine.scheduler import Request, Scheduler, Status
 from vegaserve.engine.state_pool import StatePool, StateSnapshots
@@ -72,7 +72,7 @@ def test_a_prompt_chunk_ends_at_its_last_block_boundary_and_the_state_there_is_s
     assert first.saves == ((r.state_slot, 0),) and first.restores == ()
     second = _step(sched)
     assert [(s.start, len(s.tokens), s.samples) for s in second.seqs] == [(48, 2, True)] and second.saves == ()
-    assert prefix_digest(PROMPT, 3, 16) in sched.snapshots
+    assert extend_chain([], PROMPT, 3, 16)[-1] in sched.snapshots
 
 
 def test_a_chunk_the_budget_ends_past_the_boundary_is_cut_there_and_one_that_ends_before_is_not():

@@ -135,15 +135,15 @@ def test_second_request_with_the_same_prefix_shares_its_cached_blocks():
 
 def test_a_match_told_where_it_may_end_stops_at_the_last_block_it_accepts():
     """`ends` (a hybrid model's saved states): of three cached blocks only the second may end the run, so two
-    are matched, referenced and counted; cached_blocks sees all three and takes nothing; prefix_digest gives
-    the chain hash the table holds, from scratch or from the table's known hashes."""
+    are matched, referenced and counted; count_cached sees all three and takes nothing; extend_chain gives
+    the chain hashes the table holds, from scratch or grown from the first one."""
     pool = BlockPool(8, 4)
     prompt = list(range(100, 113))  # 3 full blocks + 1 token
     first = admit(pool, prompt)
     hashes = list(first.block_hashes)
-    assert len(hashes) == 3 and pool.cached_blocks(prompt) == 3
-    assert [kv_cache.prefix_digest(prompt, n, 4) for n in (1, 2, 3)] == hashes
-    assert kv_cache.prefix_digest(prompt, 3, 4, hashes[:1]) == hashes[2]
+    assert kv_cache.extend_chain([], prompt, 3, 4) == hashes and len(hashes) == 3
+    assert kv_cache.extend_chain(hashes[:1], prompt, 3, 4) == hashes
+    assert pool.count_cached(hashes) == 3 and pool.count_cached([hashes[0], b"other", hashes[2]]) == 1
     before = (pool.queries, pool.hits, [pool.ref_count(b) for b in first.block_ids])
     assert before[2] == [1, 1, 1, 1]
     second = BlockTable(pool)
