@@ -63,6 +63,15 @@ def _step(sched: Scheduler):
 PROMPT = list(range(1, 51))  # 50 tokens: the last boundary before the final token is 48
 
 
+def _served(sched: Scheduler) -> None:
+    """PROMPT run through its prompt (its state saved at 48, snapshot 0) and finished."""
+    first = _req("a", PROMPT)
+    sched.add(first)
+    _step(sched)
+    _step(sched)
+    sched.finish(first)
+
+
 def test_a_prompt_chunk_ends_at_its_last_block_boundary_and_the_state_there_is_saved():
     sched = _sched()
     r = _req("a", PROMPT)
@@ -86,11 +95,7 @@ def test_a_chunk_the_budget_ends_past_the_boundary_is_cut_there_and_one_that_end
 
 def test_a_request_starting_with_a_saved_prefix_adopts_its_blocks_and_restores_the_state():
     sched = _sched()
-    first = _req("a", PROMPT)
-    sched.add(first)
-    _step(sched)
-    _step(sched)
-    sched.finish(first)
+    _served(sched)
     second = _req("b", PROMPT[:48] + [7, 8, 9])
     sched.add(second)
     batch = _step(sched)
@@ -191,11 +196,7 @@ def test_where_a_prompt_shares_cached_blocks_but_no_saved_state_its_state_is_sav
 
 def test_a_request_asking_prompt_logprobs_neither_resumes_nor_saves():
     sched = _sched()
-    first = _req("a", PROMPT)
-    sched.add(first)
-    _step(sched)
-    _step(sched)
-    sched.finish(first)
+    _served(sched)
     logged = _req("b", PROMPT, prompt_logprobs=1)
     sched.add(logged)
     batch = _step(sched)

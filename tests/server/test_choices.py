@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-import anyio
 import pytest
+from fastapi.testclient import TestClient
 
 from vegaserve.server.app import create_app
 
@@ -49,8 +49,6 @@ def test_without_a_seed_no_choice_gets_one(client, engine):
 @pytest.mark.parametrize("route,body", ROUTES)
 def test_a_stream_of_n_choices_gives_each_its_whole_reply_by_index(fake, route, body):
     engine = fake.FakeEngine(token_delay_s=0.001)  # the choices' outputs interleave
-    from fastapi.testclient import TestClient
-
     with TestClient(create_app(engine)) as client:
         whole = client.post(route, json={**body, "n": 2}).json()
         response = client.post(route, json={**body, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
