@@ -152,7 +152,7 @@ class Choices:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if len(self.members) == 1:
+        if len(self.members) == 1:  # (no task a token where there is nothing to merge)
             return 0, await self.members[0].__anext__()
         if not self._next:
             self._next = {i: asyncio.ensure_future(g.__anext__()) for i, g in enumerate(self.members) if not g.finished}
